@@ -1,0 +1,186 @@
+"""Command line: ``python -m pipeline run|plan|validate|stages|cache ...``.
+
+Exit codes: 0 success, 1 a failure while working (I/O, corrupt data met mid-run),
+2 bad input (recipe, paths, arguments), 130 interrupted. Errors are one clear
+message, never a traceback (set ONDEVICE_TL_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import PipelineError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def recipe_args(sp: argparse.ArgumentParser, store: bool = True) -> None:
+        sp.add_argument("recipe", help="recipe YAML file")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe field, e.g. --set stages.cache_q.bits=4 (repeatable)")
+        if store:
+            sp.add_argument("--store", help="store directory (overrides the recipe's store.path)")
+
+    run = sub.add_parser("run", help="run a recipe")
+    recipe_args(run)
+    run.add_argument("--output", help="run directory (default runs/<recipe>/<timestamp>)")
+    run.add_argument("--quiet", action="store_true", help="no progress output, only the summary line")
+    plan = sub.add_parser("plan", help="show the stage graph, fingerprints, and what is stored; no work done")
+    recipe_args(plan)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    val = sub.add_parser("validate", help="check a recipe without running it")
+    recipe_args(val, store=False)
+    sub.add_parser("stages", help="list the registered stage types and their settings")
+    cache = sub.add_parser("cache", help="inspect the store")
+    csub = cache.add_subparsers(dest="cache_command", required=True)
+    ls = csub.add_parser("ls", help="list stored entries")
+    ls.add_argument("--store", help="store directory")
+    ls.add_argument("--json", action="store_true")
+    return p
+
+
+def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quiet: bool) -> Any:
+    from stores.catalog import Catalog
+
+    from .context import RunContext
+    from .progress import Progress
+    from .storepath import resolve_store
+
+    store = resolve_store(getattr(args, "store", None), recipe.store.path)
+    return RunContext(catalog=Catalog(store), output_dir=output, seed=recipe.seed, device=recipe.run.device,
+                      recipe_name=recipe.name, recipe_path=recipe.source, progress=Progress(quiet=quiet))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .graph import Graph
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    graph = Graph(recipe)
+    print(f"{args.recipe}: valid ({len(recipe.stages)} stages; targets: {', '.join(graph.targets)})")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .recipe import load_recipe
+    from .runner import Runner
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    ctx = _context(args, recipe, output=None, quiet=True)
+    rows = Runner(recipe, ctx).plan()
+    if args.json:
+        print(json.dumps([{"name": r.name, "type": r.type, "kind": r.kind, "fingerprint": r.fingerprint,
+                           "inputs": r.inputs, "action": r.action, "estimate_bytes": r.estimate_bytes}
+                          for r in rows], indent=2))
+        return EXIT_OK
+    print(f"plan for {recipe.name} ({args.recipe}); store {ctx.catalog.root}")
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        src = ", ".join(f"{k}={v}" for k, v in r.inputs.items()) or "-"
+        est = f"  ~{_human(r.estimate_bytes)}" if r.estimate_bytes else ""
+        print(f"  {r.name:<{width}}  {r.type:<14} {r.fingerprint[:12]}  {r.action:<8}{est}  <- {src}")
+    todo = sum(r.action.startswith("compute") for r in rows)
+    reuse = sum(r.action == "reuse" for r in rows)
+    print(f"{len(rows)} stages: {reuse} stored and reused, {todo} to compute")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .recipe import load_recipe
+    from .report import write_run_outputs
+    from .runner import Runner
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    output = Path(args.output) if args.output else Path("runs") / recipe.name / stamp
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "metrics.jsonl").write_text("")
+    ctx = _context(args, recipe, output=output, quiet=args.quiet)
+    if recipe.run.threads:
+        torch.set_num_threads(recipe.run.threads)
+    start = time.perf_counter()
+    runner = Runner(recipe, ctx)
+    reports = runner.run()
+    seconds = time.perf_counter() - start
+    summary = write_run_outputs(output, recipe, runner, reports, seconds)
+    print(summary["summary_line"])
+    return EXIT_OK
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from .registry import stage_types
+
+    for name, cls in stage_types().items():
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        fields = ", ".join(f for f in cls.model_fields)
+        print(f"{name:<16} -> {cls.kind:<8} {doc}\n{'':<16}    settings: {fields}")
+    return EXIT_OK
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from stores.catalog import Catalog
+
+    from .storepath import resolve_store
+
+    store = resolve_store(args.store, None, create=False)
+    catalog = Catalog(store, create=False)
+    entries = sorted(catalog.entries(), key=lambda e: e.last_used or e.created, reverse=True)
+    if args.json:
+        print(json.dumps([{"fingerprint": e.fingerprint, "kind": e.kind, "size_bytes": e.size_bytes,
+                           "created": e.created, "last_used": e.last_used, "lineage": e.lineage}
+                          for e in entries], indent=2, default=str))
+        return EXIT_OK
+    print(f"store {store}: {len(entries)} entries, {_human(sum(e.size_bytes for e in entries))}")
+    for e in entries:
+        lin = e.lineage or {}
+        print(f"  {e.fingerprint[:12]}  {e.kind:<7} {_human(e.size_bytes):>10}  "
+              f"last used {e.last_used or e.created}  {lin.get('recipe', '?')}:{lin.get('stage', '?')} "
+              f"({lin.get('type', '?')})")
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "stages": cmd_stages,
+            "cache": cmd_cache}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("interrupted: partial store entries were discarded; rerun to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (PipelineError, FileNotFoundError, ValueError) as exc:
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        kind = "error" if isinstance(exc, PipelineError) else type(exc).__name__
+        print(f"{kind}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED

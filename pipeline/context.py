@@ -1,0 +1,50 @@
+"""What a run needs besides the recipe: where to store, where to write, how loudly.
+
+No global state: seeds, device, store and thread counts come from here, and here
+they come from the recipe or the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stores.catalog import Catalog
+
+from .progress import Progress
+
+
+@dataclass
+class RunContext:
+    catalog: Catalog
+    output_dir: Path | None = None
+    seed: int = 0
+    device: str = "cpu"
+    recipe_name: str = "recipe"
+    recipe_path: str | None = None
+    progress: Progress = field(default_factory=lambda: Progress(quiet=True))
+    # stage name -> fingerprint, filled by the runner so stages can record lineage
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def metrics_log(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to the run's metrics.jsonl (per epoch, per stage)."""
+        if self.output_dir is None:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(record, default=float) + "\n")
+
+    def stage_dir(self, name: str) -> Path | None:
+        if self.output_dir is None:
+            return None
+        path = self.output_dir / "stages" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path

@@ -1,0 +1,53 @@
+"""Exceptions raised by the pipeline package.
+
+Every message says what was expected, what was found, and names the recipe file,
+field, stage, sample or path involved, so a user never has to read a traceback.
+Exceptions are rooted in ``ValueError`` (bad input) or ``OSError`` (environment) so
+callers that already catch those keep working.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class PipelineError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class RecipeError(PipelineError, ValueError):
+    """A recipe is malformed: wrong type, unknown key, invalid value."""
+
+
+class StageError(PipelineError, ValueError):
+    """A stage cannot be wired or configured (bad inputs, incompatible specs)."""
+
+
+class DataError(PipelineError, ValueError):
+    """A dataset or a sample is unusable (corrupt image, missing labels, empty split)."""
+
+
+class ModelError(PipelineError, ValueError):
+    """A model request cannot be met (unknown architecture, cut out of range, bad weights)."""
+
+
+class MissingPathError(PipelineError, FileNotFoundError):
+    """A path the run needs does not exist; the message says how to provide it."""
+
+
+class CacheMissWarning(UserWarning):
+    """An input could not be fingerprinted, so its output will be recomputed, not reused."""
+
+
+def nearest(name: str, choices: Iterable[str]) -> str | None:
+    """The closest valid name to a typo, or None if nothing is close."""
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """A ' (did you mean 'x'?)' suffix for error messages, or ''."""
+    choices = list(choices)
+    hit = nearest(name, choices)
+    return f" (did you mean {hit!r}?)" if hit else ""

@@ -1,0 +1,170 @@
+"""Transfer learning of the top blocks: single-stage baseline or two-stage from a feature cache.
+
+Cache & Reuse (Yang et al.), Algorithm 1 vs Algorithm 2, on equal terms: the same
+backbone, cut, optimizer, schedule, epochs and evaluation. Only where the training
+batches come from differs, chosen by ``mode``:
+- ``single_stage``: augmented images -> frozen bottom (no grad) -> top, every epoch;
+- ``two_stage``: cached, dequantized, feature-augmented maps -> top.
+Both evaluate the same function (bottom then top) on un-augmented data.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..errors import StageError
+from ..models.weights import load_weights
+from ..models.zoo import replace_classifier, split_at
+from ..ops.batching import rechunk
+from ..registry import register
+from ..spec import MODEL, RESULT, STREAM, Spec
+from ..stage import Stage
+from ..stages.forward import check_cut
+from ..stream import Stream
+from .trainer import TrainConfig, evaluate, train
+
+
+class FrozenBottomNet(torch.nn.Module):
+    """bottom (frozen, eval mode, no autograd graph) followed by a trainable top."""
+
+    def __init__(self, bottom: torch.nn.Module, top: torch.nn.Module) -> None:
+        super().__init__()
+        self.bottom, self.top = bottom, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.bottom(x)
+        return self.top(h)
+
+    def train(self, mode: bool = True) -> FrozenBottomNet:
+        super().train(mode)
+        self.bottom.eval()  # frozen BN statistics stay frozen
+        return self
+
+
+def xy(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for b in batches:
+        yield b["x"], b["y"]
+
+
+@register
+class Finetune(Stage):
+    type_name: ClassVar[str] = "finetune"
+    kind: ClassVar[str] = RESULT
+    inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
+
+    model: str
+    images: str | None = Field(None, description="image stream (single_stage)")
+    features: str | None = Field(None, description="feature stream at the cut (two_stage)")
+    mode: Literal["two_stage", "single_stage"] = "two_stage"
+    train_last_blocks: int | None = Field(None, ge=0, description="default: the cut of `features`")
+    batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(256, ge=1)
+    train: TrainConfig = TrainConfig(epochs=10)
+    seed: int = 0
+
+    def input_refs(self) -> dict[str, str]:
+        data = "features" if self.mode == "two_stage" else "images"
+        value = getattr(self, data)
+        if value is None:
+            raise StageError(f"mode {self.mode!r} reads from `{data}:`, which is not set")
+        return {"model": self.model, data: value}
+
+    def _cut(self, inputs: dict[str, Spec], ctx: Any) -> int:
+        model = inputs["model"]
+        if self.mode == "two_stage":
+            cut = inputs["features"].meta.get("cut")
+            if cut is None:
+                raise StageError(f"`features: {self.features}` is not a feature stream from a frozen_forward "
+                                 "stage (its spec has no cut)")
+            if self.train_last_blocks is not None and self.train_last_blocks != cut["train_last_blocks"]:
+                raise StageError(f"train_last_blocks={self.train_last_blocks} but `{self.features}` was cut "
+                                 f"at train_last_blocks={cut['train_last_blocks']}")
+            if cut.get("model") != ctx.fingerprints.get(self.model):
+                raise StageError(f"`{self.features}` was computed with a different model than `{self.model}`")
+            n = cut["train_last_blocks"]
+        else:
+            if self.train_last_blocks is None:
+                raise StageError("single_stage needs train_last_blocks (the number of top blocks to train)")
+            n = self.train_last_blocks
+        check_cut(n, model)
+        return n
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        self._cut(inputs, ctx)
+        data = inputs["features" if self.mode == "two_stage" else "images"]
+        for split in ("train", "val"):
+            data.split(split, stage=self.type_name)
+        return Spec(RESULT, data.num_classes, meta={"mode": self.mode})
+
+    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+        torch.manual_seed(self.seed)
+        model_value = inputs["model"]
+        stream: Stream = inputs["features" if self.mode == "two_stage" else "images"]
+        n = self._cut({"model": model_value.spec, **{k: v.spec for k, v in inputs.items() if k != "model"}}, ctx)
+        net = model_value.build()
+        replace_classifier(net, stream.spec.num_classes)
+        bottom, top = split_at(net, n)
+        for p in bottom.parameters():
+            p.requires_grad_(False)
+        trained = top if self.mode == "two_stage" else FrozenBottomNet(bottom, top)
+        device = ctx.torch_device
+        trained.to(device)
+
+        def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            batches = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
+            return xy(rechunk(batches, self.batch_size))
+
+        def eval_batches(split: str = "val") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return xy(rechunk(stream.open(split), self.eval_batch_size))
+
+        def on_epoch(record: dict[str, Any]) -> None:
+            ctx.metrics_log({"stage": name, "mode": self.mode, **record})
+            ctx.progress.log(
+                f"[{name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
+                f"val acc {record['val_acc']:.3f} ({record['epoch_seconds']:.2f}s)"
+            )
+
+        out_dir = ctx.stage_dir(name)
+        tmp = None
+        if out_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix=f"{name}-ckpt-")
+            out_dir = Path(tmp.name)
+        params = [p for p in trained.parameters() if p.requires_grad]
+        result = train(trained, params, train_batches, eval_batches, self.train, checkpoint_dir=out_dir,
+                       on_epoch=on_epoch)
+        # Report the test accuracy of the checkpoint chosen on validation data.
+        state, _ = load_weights(out_dir / "best.pt")
+        trained.load_state_dict(state)
+        test_split = "test" if "test" in stream.spec.splits else "val"
+        test_loss, test_acc, test_n = evaluate(trained, eval_batches(test_split))
+        epoch_times = [h["epoch_seconds"] for h in result.history]
+        meta = stream.spec.meta
+        metrics = {
+            "accuracy": test_acc,
+            "test_split": test_split,
+            "test_samples": test_n,
+            "best_val_accuracy": result.best_val_acc,
+            "best_epoch": result.best_epoch,
+            "epoch_seconds": sum(epoch_times) / len(epoch_times),
+            # The first epoch pays one-off costs (allocations, file cache): report the rest too.
+            "epoch_seconds_steady": (sum(epoch_times[1:]) / (len(epoch_times) - 1)) if len(epoch_times) > 1
+            else epoch_times[0],
+            "epoch_seconds_all": epoch_times,
+            "cache_bytes": stream.stored_bytes() if self.mode == "two_stage" else 0,
+            "bits": meta.get("bits", 32) if self.mode == "two_stage" else 32,
+            "mode": self.mode,
+            "train_last_blocks": n,
+            "trainable_parameters": sum(p.numel() for p in params),
+            "epochs": self.train.epochs,
+            "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
+        }
+        if tmp is not None:
+            tmp.cleanup()
+        return metrics

@@ -1,0 +1,104 @@
+"""Pretrain a backbone on source classes and keep it as a content-addressed artifact.
+
+Pretrained ImageNet weights cannot be downloaded on many devices (and not here), so
+the toolkit makes its own "pretrained" backbone: train on the source classes, store
+the weights in the catalog, and let every later recipe with the same data and
+settings reuse them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from ..data.decode import Decoder, InputAugment
+from ..models.weights import load_weights, save_weights
+from ..ops.batching import rechunk
+from ..registry import register
+from ..spec import DATASET, MODEL, Spec
+from ..stage import Stage
+from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream
+from ..stages.model import ArchConfig, ModelValue, model_spec
+from .trainer import TrainConfig, train
+
+WEIGHTS_FILE = "weights.pt"
+
+
+@register
+class Pretrain(Stage):
+    type_name: ClassVar[str] = "pretrain"
+    kind: ClassVar[str] = MODEL
+    inputs: ClassVar[dict[str, str]] = {"input": DATASET}
+    cacheable: ClassVar[bool] = True
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch"})
+
+    input: str
+    arch: str = "mobilenet_v2"
+    width_mult: float = Field(1.0, gt=0)
+    small_input: bool = False
+    resolution: int = Field(224, ge=8)
+    batch_size: int = Field(64, ge=1)
+    augment: AugmentConfig | None = AugmentConfig(crop_padding=4, hflip=0.5)
+    train: TrainConfig = TrainConfig(epochs=10)
+    prefetch: int = 2
+    seed: int = 0
+
+    def _arch(self, num_classes: int) -> ArchConfig:
+        return ArchConfig(self.arch, num_classes, self.width_mult, self.small_input, self.resolution)
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        data = inputs["input"]
+        data.split("train", stage=self.type_name)
+        arch = self._arch(data.num_classes)
+        return model_spec(arch, len(arch.build().blocks))
+
+    def estimate_bytes(self, spec: Spec) -> int | None:
+        return None
+
+    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+        torch.manual_seed(self.seed)
+        data = inputs["input"]
+        arch = self._arch(len(data.class_names))
+        net = arch.build().to(ctx.torch_device)
+        augment = None
+        if self.augment is not None:
+            augment = InputAugment(random_resized_crop=self.augment.random_resized_crop,
+                                   crop_padding=self.augment.crop_padding, hflip=self.augment.hflip)
+        decoder = Decoder(self.resolution, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+        stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch)
+
+        def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for b in rechunk(stream.open("train", epoch=epoch, shuffle=True, seed=self.seed), self.batch_size):
+                yield b["x"], b["y"]
+
+        eval_split = "val" if "val" in data.splits else None
+
+        def eval_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for b in stream.open(eval_split):
+                yield b["x"], b["y"]
+
+        def on_epoch(record: dict[str, Any]) -> None:
+            ctx.metrics_log({"stage": name, **record})
+            ctx.progress.log(f"[{name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
+                             f"val acc {record.get('val_acc', float('nan')):.3f} "
+                             f"({record['epoch_seconds']:.1f}s)")
+
+        result = train(net, list(net.parameters()), train_batches, eval_batches if eval_split else None,
+                       self.train, checkpoint_dir=staging / "checkpoints", on_epoch=on_epoch)
+        best, _ = load_weights(staging / "checkpoints" / "best.pt") if eval_split else (net.state_dict(), {})
+        net.load_state_dict(best)
+        meta = {"arch": self.arch, "num_classes": len(data.class_names), "class_names": data.class_names,
+                "best_val_acc": result.best_val_acc, "epochs": self.train.epochs}
+        save_weights(net, staging / WEIGHTS_FILE, meta)
+        for f in (staging / "checkpoints").glob("*"):
+            f.unlink()
+        (staging / "checkpoints").rmdir()
+        return {"best_val_acc": result.best_val_acc, "history": result.history}
+
+    def load(self, ctx: Any, entry: Any, name: str) -> ModelValue:
+        state, meta = load_weights(Path(entry.path) / WEIGHTS_FILE)
+        return ModelValue(self._arch(int(meta["num_classes"])), state, f"pretrain entry {entry.fingerprint[:12]}")

@@ -1,0 +1,149 @@
+"""The cache operator: write a stream through to a store entry, and read it back.
+
+Writing pulls the upstream stream split by split in sample order and hands batches
+to a background writer thread, so compression and disk writes overlap the frozen
+forward. Reading yields whole chunks (large, sequential reads for slow storage),
+prefetched in the background; for training, the chunk order is shuffled each epoch
+and samples are shuffled within a window of chunks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stores.zarr_entry import ArraySpec, ZarrReader, ZarrWriter
+
+from ..spec import FieldSpec, Spec, SplitSpec
+from ..stream import Stream, StreamStats
+from .batching import Batch
+from .prefetch import prefetch
+from .shuffle import window_shuffle
+
+SPEC_ATTR = "pipeline_spec"
+
+
+def spec_to_json(spec: Spec) -> dict[str, Any]:
+    return {
+        "kind": spec.kind,
+        "num_classes": spec.num_classes,
+        "splits": {name: {"num_samples": s.num_samples,
+                          "fields": {k: [list(f.shape), f.dtype] for k, f in s.fields.items()}}
+                   for name, s in spec.splits.items()},
+        "meta": dict(spec.meta),
+    }
+
+
+def spec_from_json(data: dict[str, Any]) -> Spec:
+    splits = {name: SplitSpec(s["num_samples"], {k: FieldSpec(tuple(shape), dtype)
+                                                 for k, (shape, dtype) in s["fields"].items()})
+              for name, s in data["splits"].items()}
+    return Spec(data["kind"], data["num_classes"], splits, data["meta"])
+
+
+def chunk_samples_for(spec: Spec, chunk_bytes: int) -> int:
+    """Samples per chunk so the largest split's chunks are about ``chunk_bytes``."""
+    per_sample = max(s.sample_bytes() for s in spec.splits.values()) or 1
+    most = max(s.num_samples for s in spec.splits.values()) or 1
+    return int(max(1, min(most, chunk_bytes // per_sample)))
+
+
+class _BackgroundWriter:
+    """Runs ``writer.write`` on a thread with a bounded queue; errors surface on the caller."""
+
+    def __init__(self, writer: ZarrWriter, depth: int = 4) -> None:
+        self.writer = writer
+        self.q: queue.Queue[tuple[str, dict[str, np.ndarray]] | None] = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name="cache-writer", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    self.writer.write(*item)
+                except BaseException as exc:  # reported by put()/finish()
+                    self.error = exc
+
+    def put(self, group: str, arrays: dict[str, np.ndarray]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put((group, arrays))
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def write_stream(stream: Stream, path: Path, *, chunk_bytes: int, compressor: str, level: int,
+                 attrs: dict[str, Any], progress: Any = None) -> dict[str, Any]:
+    spec = stream.spec
+    chunk = chunk_samples_for(spec, chunk_bytes)
+    arrays = {f"{split}/{name}": ArraySpec(tuple(f.shape), f.dtype)
+              for split, s in spec.splits.items() for name, f in s.fields.items()}
+    counts = {split: s.num_samples for split, s in spec.splits.items()}
+    writer = ZarrWriter(path, arrays, counts, chunk, {**attrs, SPEC_ATTR: spec_to_json(spec)},
+                        compressor=compressor, level=level)
+    background = _BackgroundWriter(writer)
+    try:
+        for split in spec.splits:
+            for batch in stream.open(split, epoch=0, shuffle=False):
+                background.put(split, {k: v.detach().cpu().numpy() for k, v in batch.items()})
+                if progress is not None:
+                    progress.update(len(next(iter(batch.values()))))
+    finally:
+        background.finish()
+    writer.close()
+    return {"chunk_samples": chunk, "compressor": compressor, "level": level}
+
+
+class StoredStream(Stream):
+    """A committed cache entry read as a stream."""
+
+    def __init__(self, path: Path, *, size_bytes: int = 0, prefetch_depth: int = 2,
+                 window_chunks: int = 4) -> None:
+        self.path = Path(path)
+        self.reader = ZarrReader(self.path)
+        self.spec = spec_from_json(self.reader.attrs[SPEC_ATTR])
+        self.size_bytes = size_bytes
+        self.prefetch_depth = prefetch_depth
+        self.window_chunks = window_chunks
+        self.stats = StreamStats()
+
+    def stored_bytes(self) -> int:
+        return self.size_bytes
+
+    def _chunks(self, split: str, order: np.ndarray) -> Iterator[Batch]:
+        import time
+
+        for index in order:
+            t0 = time.perf_counter()
+            arrays = self.reader.read_chunk(split, int(index))
+            batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+            self.stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
+            yield batch
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+        self.spec.split(split, stage=str(self.path))
+        n_chunks = self.reader.num_chunks(split)
+        if shuffle:
+            gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            order = torch.randperm(n_chunks, generator=gen).numpy()
+        else:
+            order = np.arange(n_chunks)
+        chunks = prefetch(self._chunks(split, order), self.prefetch_depth, name=f"read-{split}")
+        if not shuffle:
+            yield from chunks
+            return
+        per_chunk = max(1, self.spec.splits[split].num_samples // max(1, n_chunks))
+        yield from window_shuffle(chunks, self.window_chunks * per_chunk, seed=seed * 7919 + epoch,
+                                  out_size=per_chunk)

@@ -1,0 +1,40 @@
+"""Window shuffle: randomness with bounded memory and sequential reads.
+
+Samples are gathered into windows of ``window`` samples (e.g. a few storage chunks
+read in shuffled chunk order) and emitted in a random permutation of each window.
+Each sample is emitted exactly once per pass. A larger window is closer to a full
+shuffle and costs more memory: that is the randomness-vs-sequentiality knob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .batching import Batch, batch_size_of, concat, split_batch
+
+
+def window_shuffle(batches: Iterable[Batch], window: int, *, seed: int, out_size: int) -> Iterator[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    pending: list[Batch] = []
+    count = 0
+
+    def flush() -> Iterator[Batch]:
+        merged = concat(pending)
+        order = torch.randperm(count, generator=gen)
+        merged = {k: v[order] for k, v in merged.items()}
+        for start in range(0, count, out_size):
+            yield split_batch(merged, start, min(start + out_size, count))
+
+    for batch in batches:
+        n = batch_size_of(batch)
+        if n == 0:
+            continue
+        pending.append(batch)
+        count += n
+        if count >= window:
+            yield from flush()
+            pending, count = [], 0
+    if count:
+        yield from flush()

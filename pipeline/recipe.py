@@ -1,0 +1,225 @@
+"""YAML recipes validated into frozen typed models.
+
+Errors name the recipe file, the line, the field path, what was expected and the
+nearest valid name for a typo. ``yaml.safe_load`` only: a recipe is data, and the
+only things it can instantiate are registered stage types.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import MissingPathError, RecipeError, did_you_mean
+from .registry import stage_class
+from .stage import Stage
+
+STAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+Path_ = tuple[str | int, ...]
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str | None = Field(None, description="store directory; default $ONDEVICE_TL_STORE or a per-user cache")
+    max_bytes: int | None = Field(None, ge=0, description="size budget for the store (bytes)")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: torch's choice")
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    name: str
+    description: str = ""
+    seed: int = 0
+    store: StoreConfig = StoreConfig()
+    run: RunConfig = RunConfig()
+    stages: dict[str, Stage]
+    targets: tuple[str, ...] | None = None
+    source: str = Field("<recipe>", exclude=True)
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The recipe as run (defaults omitted, overrides applied), JSON-able."""
+        out = self.model_dump(mode="json", exclude={"stages", "source"}, exclude_defaults=True)
+        out["name"] = self.name
+        out["stages"] = {name: stage.to_config() for name, stage in self.stages.items()}
+        return out
+
+
+# ---------------------------------------------------------------------------- lines
+def _line_map(text: str, source: str) -> dict[Path_, int]:
+    """Field path -> 1-based line, from the safe composer's node tree."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise RecipeError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    lines: dict[Path_, int] = {}
+
+    def walk(node: yaml.Node, path: Path_) -> None:
+        lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = (*path, key.value)
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+                lines[child] = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                walk(value, (*path, i))
+
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _where(source: str, lines: dict[Path_, int], path: Path_, overridden: set[Path_]) -> str:
+    for n in range(len(path), -1, -1):
+        if path[:n] in overridden:
+            return f"{source} (--set {'.'.join(map(str, path[:n]))})"
+        if path[:n] in lines:
+            return f"{source}:{lines[path[:n]]}"
+    return source
+
+
+# ------------------------------------------------------------------------ overrides
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError(f"--set expects KEY.PATH=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not all(parts):
+        raise RecipeError(f"--set {text!r}: empty component in key path {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {text!r}: value is not valid YAML: {exc}") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Path_]:
+    touched: set[Path_] = set()
+    for text in overrides:
+        parts, value = parse_override(text)
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[int(part)]
+                continue
+            if not isinstance(node, dict):
+                raise RecipeError(f"--set {text!r}: {'.'.join(parts[:i])} is not a mapping")
+            node = node.setdefault(part, {})
+            if node is None:
+                node = {}
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {text!r}: {'.'.join(parts[:-1])} is not a mapping")
+        node[parts[-1]] = value
+        touched.add(tuple(parts))
+    return touched
+
+
+# ------------------------------------------------------------------------- validate
+def _describe(err: dict[str, Any], model: type[BaseModel] | None) -> str:
+    kind = err["type"]
+    loc = err["loc"]
+    if kind == "extra_forbidden" and model is not None:
+        key = str(loc[-1])
+        valid = [k for k in model.model_fields if k != "source"]
+        return f"unknown key {key!r}{did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+    if kind == "missing":
+        return "required field is missing"
+    found = err.get("input")
+    return f"{err['msg']}; found {found!r}"
+
+
+def _raise(errors: list[tuple[Path_, str]], source: str, lines: dict[Path_, int], overridden: set[Path_]):
+    msgs = []
+    for path, text in errors:
+        dotted = ".".join(map(str, path)) or "<top>"
+        msgs.append(f"{_where(source, lines, path, overridden)}: {dotted}: {text}")
+    raise RecipeError("invalid recipe:\n  " + "\n  ".join(msgs))
+
+
+def recipe_from_dict(
+    data: Any, *, source: str = "<recipe>", lines: dict[Path_, int] | None = None,
+    overridden: set[Path_] | None = None,
+) -> Recipe:
+    lines = lines or {}
+    overridden = overridden or set()
+    if not isinstance(data, dict):
+        _raise([((), f"expected a mapping at the top, found {type(data).__name__}")], source, lines, overridden)
+    errors: list[tuple[Path_, str]] = []
+    stages_raw = data.get("stages")
+    stages: dict[str, Stage] = {}
+    if not isinstance(stages_raw, dict) or not stages_raw:
+        errors.append((("stages",), "expected a non-empty mapping of stage name -> {type: ..., ...}"))
+        stages_raw = {}
+    for name, cfg in stages_raw.items():
+        path: Path_ = ("stages", name)
+        if not isinstance(name, str) or not STAGE_NAME.match(name):
+            errors.append((path, f"stage names must match {STAGE_NAME.pattern}, found {name!r}"))
+            continue
+        if not isinstance(cfg, dict) or "type" not in cfg:
+            errors.append((path, "expected a mapping with a 'type:' key"))
+            continue
+        try:
+            cls = stage_class(str(cfg["type"]))
+        except RecipeError as exc:
+            errors.append(((*path, "type"), str(exc)))
+            continue
+        body = {k: v for k, v in cfg.items() if k != "type"}
+        # The recipe's seed is every stage's default seed: `--set seed=1` reruns it all.
+        if "seed" in cls.model_fields and "seed" not in body and isinstance(data.get("seed", 0), int):
+            body["seed"] = data.get("seed", 0)
+        try:
+            stages[name] = cls.model_validate(body)
+        except ValidationError as exc:
+            for err in exc.errors():
+                errors.append(((*path, *err["loc"]), _describe(err, _model_at(cls, err["loc"]))))
+    top = {k: v for k, v in data.items() if k != "stages"}
+    try:
+        recipe = Recipe.model_validate({**top, "stages": stages, "source": source})
+    except ValidationError as exc:
+        for err in exc.errors():
+            if err["loc"][:1] == ("stages",):
+                continue
+            errors.append((tuple(err["loc"]), _describe(err, _model_at(Recipe, err["loc"]))))
+        recipe = None  # type: ignore[assignment]
+    if errors:
+        _raise(errors, source, lines, overridden)
+    assert recipe is not None
+    return recipe
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that owns the last element of ``loc`` (for 'unknown key' hints)."""
+    current: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return current
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise MissingPathError(f"recipe file not found: {path} (expected a YAML file, e.g. recipes/quickstart.yaml)")
+    text = path.read_text()
+    source = str(path)
+    lines = _line_map(text, source)
+    data = yaml.safe_load(text)
+    if data is None:
+        raise RecipeError(f"{source}: the recipe is empty")
+    overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else set()
+    return recipe_from_dict(data, source=source, lines=lines, overridden=overridden)

@@ -1,0 +1,189 @@
+"""Runs a recipe: resolve specs, fingerprint, then compute only what is not stored.
+
+Outputs are produced on demand from the targets backwards. A cacheable stage whose
+fingerprint is in the catalog is loaded without touching its inputs (so the frozen
+forward never runs for a cache hit); otherwise it builds into a staging directory
+that becomes visible only when committed. Stream stages are lazy: they do their
+work when a downstream cache or trainer pulls batches.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .context import RunContext
+from .errors import DataError, ModelError, StageError
+from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
+from .graph import Graph
+from .recipe import Recipe
+from .spec import DATASET, RESULT, STREAM, Spec
+from .stream import Stream
+
+
+@dataclass
+class StageReport:
+    name: str
+    type: str
+    kind: str
+    fingerprint: str
+    status: str  # "computed" | "reused" | "not run"
+    seconds: float = 0.0
+    bytes_written: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanRow:
+    name: str
+    type: str
+    kind: str
+    fingerprint: str
+    inputs: dict[str, str]
+    action: str  # "reuse" | "compute" | "compute (not stored)" | "stream"
+    estimate_bytes: int | None
+    spec: Spec
+
+
+class Runner:
+    def __init__(self, recipe: Recipe, ctx: RunContext) -> None:
+        self.recipe = recipe
+        self.ctx = ctx
+        self.graph = Graph(recipe)
+        self.specs: dict[str, Spec] = {}
+        self.fingerprints: dict[str, str] = {}
+        self._outputs: dict[str, Any] = {}
+        self.reports: dict[str, StageReport] = {}
+        self._resolve()
+
+    # ----------------------------------------------------------------- before work
+    def _resolve(self) -> None:
+        for name in self.graph.order:
+            if name not in self.graph.needed:
+                continue
+            stage = self.recipe.stages[name]
+            refs = self.graph.edges[name]
+            in_specs = {field: self.specs[parent] for field, parent in refs.items()}
+            try:
+                if stage.kind == DATASET:
+                    # Datasets are lazy (indices, labels, content identity), so they are
+                    # materialized here: splits need labels, plans need sizes.
+                    start = time.perf_counter()
+                    value = stage.run(self.ctx, {f: self._outputs[p] for f, p in refs.items()}, name)
+                    self._outputs[name] = value
+                    self.specs[name] = value.spec
+                    seconds = time.perf_counter() - start
+                else:
+                    self.specs[name] = stage.resolve(in_specs, self.ctx)
+            except (StageError, DataError, ModelError) as exc:
+                raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
+            parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
+            try:
+                identity = self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
+                fp = stage_fingerprint(stage, parents, identity)
+            except UnhashableInput as exc:
+                fp = uncacheable(name, str(exc))
+            self.fingerprints[name] = fp
+            self.ctx.fingerprints[name] = fp
+            if stage.kind == DATASET:
+                self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
+        self.ctx.fingerprints.update(self.fingerprints)
+
+    def plan(self) -> list[PlanRow]:
+        rows = []
+        for name in self.graph.order:
+            if name not in self.graph.needed:
+                continue
+            stage = self.recipe.stages[name]
+            fp = self.fingerprints[name]
+            if stage.cacheable:
+                if not is_cacheable(fp):
+                    action = "compute (not stored)"
+                else:
+                    action = "reuse" if self.ctx.catalog.exists(fp) else "compute"
+            elif stage.kind == DATASET:
+                action = "index"
+            else:
+                action = "stream" if stage.kind == STREAM else "compute"
+            rows.append(PlanRow(name, stage.type_name, stage.kind, fp, dict(self.graph.edges[name]), action,
+                                stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
+                                self.specs[name]))
+        return rows
+
+    # ---------------------------------------------------------------------- work
+    def output(self, name: str) -> Any:
+        if name in self._outputs:
+            return self._outputs[name]
+        stage = self.recipe.stages[name]
+        fp = self.fingerprints[name]
+        report = StageReport(name, stage.type_name, stage.kind, fp, "computed")
+        start = time.perf_counter()
+        if stage.cacheable and is_cacheable(fp) and (entry := self.ctx.catalog.lookup(fp)) is not None:
+            value = stage.load(self.ctx, entry, name)
+            report.status = "reused"
+            self.ctx.progress.log(f"[{name}] reusing stored {stage.kind} {fp[:12]} ({entry.describe()})")
+        else:
+            inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
+            start = time.perf_counter()  # exclude the inputs' own time
+            if stage.cacheable:
+                value, report.bytes_written = self._build(name, stage, fp, inputs)
+            else:
+                value = stage.run(self.ctx, inputs, name)
+            if stage.kind == RESULT and isinstance(value, dict):
+                report.metrics = value
+                report.bytes_written = int(value.get("bytes_written", 0))
+        report.seconds = time.perf_counter() - start
+        self.reports[name] = report
+        self._outputs[name] = value
+        return value
+
+    def _build(self, name: str, stage: Any, fp: str, inputs: dict[str, Any]) -> tuple[Any, int]:
+        lineage = {
+            "recipe": self.recipe.name,
+            "recipe_file": self.recipe.source,
+            "stage": name,
+            "type": f"{stage.type_name}@{stage.version}",
+            "config": stage.fingerprint_config(),
+            "inputs": {f: self.fingerprints[p] for f, p in self.graph.edges[name].items()},
+        }
+        if not is_cacheable(fp):
+            # Still build through a staging directory, but never commit it under a fingerprint.
+            import tempfile
+            from pathlib import Path
+
+            tmp = tempfile.TemporaryDirectory(prefix=f"{name}-nocache-")
+            self._keepalive = getattr(self, "_keepalive", []) + [tmp]
+            stage.build(self.ctx, inputs, Path(tmp.name), name)
+            entry = self.ctx.catalog.transient_entry(Path(tmp.name), fp, stage.kind, lineage)
+            return stage.load(self.ctx, entry, name), entry.size_bytes
+        self.ctx.progress.log(f"[{name}] computing {stage.kind} {fp[:12]}")
+        with self.ctx.catalog.stage(fp, stage.kind, lineage) as staging:
+            extra = stage.build(self.ctx, inputs, staging.path, name)
+            entry = staging.commit(extra)
+        return stage.load(self.ctx, entry, name), entry.size_bytes
+
+    def run(self) -> list[StageReport]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            for target in self.graph.targets:
+                self.output(target)
+        # Stream stages did their work when pulled; upstream of a reused entry they never ran.
+        for name in self.graph.order:
+            if name not in self.graph.needed:
+                continue
+            stage = self.recipe.stages[name]
+            value = self._outputs.get(name)
+            if isinstance(value, Stream):
+                report = self.reports[name]
+                report.seconds = value.stats.seconds
+                report.status = "computed" if value.stats.batches else "reused"
+            elif name not in self.reports:
+                self.reports[name] = StageReport(name, stage.type_name, stage.kind, self.fingerprints[name],
+                                                 "reused")
+        return [self.reports[n] for n in self.graph.order if n in self.reports]
+
+    @staticmethod
+    def report_dict(report: StageReport) -> dict[str, Any]:
+        return asdict(report)

@@ -1,0 +1,10 @@
+"""Built-in stage types, registered on import (see ``pipeline.registry``).
+
+Dataflow, in recipe order:
+  sources -> split -> decode -> frozen_forward -> quantize -> cache      (stage A, once)
+  cache -> dequantize -> feature_aug -> [rechunk/prefetch] -> finetune   (stage B, every epoch)
+  backbone / pretrain provide the model the forward and the trainer share.
+"""
+
+from . import cache, decode, feature_aug, forward, model, quantize, sources, split, streamops  # noqa: F401
+from ..methods import finetune, pretrain  # noqa: F401

@@ -1,0 +1,134 @@
+"""Quantize / dequantize feature streams (Cache & Reuse, Eq. 2 and Eq. 3).
+
+Training splits are stored as bit-packed n-bit codes with per-sample, per-channel
+range (``lo``, ``scale``); evaluation splits keep float16 by default, because the
+deployed model sees real (unquantized) features at inference and evaluation should
+measure that model, not the compression.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..codec.bitpack import packed_length
+from ..codec.quantile import QuantizedBatch, dequantize, quantize
+from ..errors import StageError
+from ..ops.batching import Batch
+from ..registry import register
+from ..spec import STREAM, FieldSpec, Spec, SplitSpec
+from ..stage import Stage
+from ..stream import MapStream
+
+FLOAT_BITS = {16: "float16", 32: "float32"}
+
+
+def quantized_fields(shape: tuple[int, ...], bits: int) -> dict[str, FieldSpec]:
+    c = shape[0]
+    n = 1
+    for d in shape:
+        n *= d
+    return {"codes": FieldSpec((packed_length(n, bits),), "uint8"), "lo": FieldSpec((c,), "float16"),
+            "scale": FieldSpec((c,), "float16")}
+
+
+def _feature_field(spec: Spec, split: str, stage: str) -> FieldSpec:
+    field = spec.split(split, stage=stage).fields.get("x")
+    if field is None or len(field.shape) != 3:
+        raise StageError(f"expected feature maps 'x' of shape (C,H,W) in split {split!r}, found {field}")
+    return field
+
+
+@register
+class Quantize(Stage):
+    """Channel-wise quantile quantization to ``bits`` (1/2/4/8), or float16/32 storage (16/32 = none)."""
+
+    type_name: ClassVar[str] = "quantize"
+    kind: ClassVar[str] = STREAM
+    inputs: ClassVar[dict[str, str]] = {"input": STREAM}
+
+    input: str
+    bits: Literal[1, 2, 4, 8, 16, 32] = 8
+    k: float = Field(1, gt=0, description="clip at the k-th smallest/largest value per channel (k<1: fraction)")
+    splits: tuple[str, ...] = Field(("train",), description="splits to quantize; others use eval_bits")
+    eval_bits: Literal[16, 32] = 16
+
+    def _bits_for(self, split: str) -> int:
+        return self.bits if split in self.splits else self.eval_bits
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        data = inputs["input"]
+        splits = {}
+        for name, s in data.splits.items():
+            field = _feature_field(data, name, self.type_name)
+            bits = self._bits_for(name)
+            fields = dict(s.fields)
+            del fields["x"]
+            if bits in FLOAT_BITS:
+                fields["x"] = FieldSpec(field.shape, FLOAT_BITS[bits])
+            else:
+                fields.update(quantized_fields(field.shape, bits))
+            splits[name] = SplitSpec(s.num_samples, fields)
+        feature_shape = list(next(iter(data.splits.values())).fields["x"].shape)
+        return Spec(STREAM, data.num_classes, splits,
+                    {**data.meta, "bits": self.bits, "quantile_k": self.k, "feature_shape": feature_shape})
+
+    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
+        parent = inputs["input"]
+        spec = self.resolve({"input": parent.spec}, ctx)
+
+        def encode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
+            bits = self._bits_for(split)
+            out = {k: v for k, v in batch.items() if k != "x"}
+            if bits in FLOAT_BITS:
+                out["x"] = batch["x"].to(getattr(torch, FLOAT_BITS[bits]))
+            else:
+                q = quantize(batch["x"], bits, self.k if self.k < 1 else int(self.k))
+                out.update(codes=q.codes, lo=q.lo, scale=q.scale)
+            return out
+
+        return MapStream(parent, encode, spec)
+
+
+@register
+class Dequantize(Stage):
+    """Back to float32 feature maps (Eq. 3); float16 splits are upcast."""
+
+    type_name: ClassVar[str] = "dequantize"
+    kind: ClassVar[str] = STREAM
+    inputs: ClassVar[dict[str, str]] = {"input": STREAM}
+
+    input: str
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        data = inputs["input"]
+        if "feature_shape" not in data.meta:
+            raise StageError("expected a quantized feature stream (from a quantize stage), "
+                             f"found a stream with fields {sorted(next(iter(data.splits.values())).fields)}")
+        shape = tuple(data.meta["feature_shape"])
+        splits = {}
+        for name, s in data.splits.items():
+            fields = {k: v for k, v in s.fields.items() if k not in ("codes", "lo", "scale", "x")}
+            fields["x"] = FieldSpec(shape, "float32")
+            splits[name] = SplitSpec(s.num_samples, fields)
+        return Spec(STREAM, data.num_classes, splits, data.meta)
+
+    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
+        parent = inputs["input"]
+        spec = self.resolve({"input": parent.spec}, ctx)
+        shape = tuple(spec.meta["feature_shape"])
+        bits = spec.meta["bits"]
+
+        def decode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
+            out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
+            if "codes" in batch:
+                q = QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=bits,
+                                   shape=shape)
+                out["x"] = dequantize(q)
+            else:
+                out["x"] = batch["x"].float()
+            return out
+
+        return MapStream(parent, decode, spec)

@@ -1,0 +1,68 @@
+"""Streams: the re-iterable values flowing between stream stages.
+
+A stream is opened per split and epoch; what order it yields samples in is its own
+business (random access sources permute indices, stored streams shuffle chunk order
+plus a window). Stream stages are lazy: building the graph does no work, pulling
+batches does. Each stream times its own work, so a run can say where time went.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from .ops.batching import Batch, batch_size_of
+from .spec import Spec
+
+
+@dataclass
+class StreamStats:
+    seconds: float = 0.0
+    samples: int = 0
+    batches: int = 0
+
+    def add(self, seconds: float, samples: int) -> None:
+        self.seconds += seconds
+        self.samples += samples
+        self.batches += 1
+
+
+class Stream:
+    spec: Spec
+    stats: StreamStats
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def stored_bytes(self) -> int:
+        """Bytes of stored entries this stream reads from (0 when computed on the fly)."""
+        return 0
+
+
+BatchFn = Callable[[Batch, str, int, int], Batch]
+
+
+class MapStream(Stream):
+    """Applies ``fn(batch, split, epoch, seed)`` to every batch of ``parent`` (of the given splits)."""
+
+    def __init__(self, parent: Stream, fn: BatchFn, spec: Spec, splits: tuple[str, ...] | None = None) -> None:
+        self.parent = parent
+        self.fn = fn
+        self.spec = spec
+        self.splits = splits
+        self.stats = StreamStats()
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed)
+        if self.splits is not None and split not in self.splits:
+            yield from batches
+            return
+        for batch in batches:
+            start = time.perf_counter()
+            out = self.fn(batch, split, epoch, seed)
+            self.stats.add(time.perf_counter() - start, batch_size_of(out))
+            yield out
+
+    def stored_bytes(self) -> int:
+        return self.parent.stored_bytes()
