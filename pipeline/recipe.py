@@ -218,7 +218,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     text = path.read_text()
     source = str(path)
     lines = _line_map(text, source)
-    data = yaml.safe_load(text)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:  # e.g. a python/object tag: recipes are plain data
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise RecipeError(f"{where}: not a plain-data recipe: {getattr(exc, 'problem', exc)}") from None
     if data is None:
         raise RecipeError(f"{source}: the recipe is empty")
     overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else set()

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import time
 import warnings
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from stores.catalog import Entry
 
 from .context import RunContext
 from .errors import DataError, ModelError, StageError
@@ -156,8 +159,10 @@ class Runner:
             tmp = tempfile.TemporaryDirectory(prefix=f"{name}-nocache-")
             self._keepalive = getattr(self, "_keepalive", []) + [tmp]
             stage.build(self.ctx, inputs, Path(tmp.name), name)
-            entry = self.ctx.catalog.transient_entry(Path(tmp.name), fp, stage.kind, lineage)
-            return stage.load(self.ctx, entry, name), entry.size_bytes
+            size = sum(f.stat().st_size for f in Path(tmp.name).rglob("*") if f.is_file())
+            now = datetime.now(timezone.utc)
+            entry = Entry(fp, Path(tmp.name), stage.kind, lineage, now, now, size, {"files": []})
+            return stage.load(self.ctx, entry, name), size
         self.ctx.progress.log(f"[{name}] computing {stage.kind} {fp[:12]}")
         with self.ctx.catalog.stage(fp, stage.kind, lineage) as staging:
             extra = stage.build(self.ctx, inputs, staging.path, name)

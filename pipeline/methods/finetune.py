@@ -137,8 +137,9 @@ class Finetune(Stage):
             tmp = tempfile.TemporaryDirectory(prefix=f"{name}-ckpt-")
             out_dir = Path(tmp.name)
         params = [p for p in trained.parameters() if p.requires_grad]
+        steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
         result = train(trained, params, train_batches, eval_batches, self.train, checkpoint_dir=out_dir,
-                       on_epoch=on_epoch)
+                       on_epoch=on_epoch, steps_per_epoch=steps)
         # Report the test accuracy of the checkpoint chosen on validation data.
         state, _ = load_weights(out_dir / "best.pt")
         trained.load_state_dict(state)

@@ -88,7 +88,8 @@ class Pretrain(Stage):
                              f"({record['epoch_seconds']:.1f}s)")
 
         result = train(net, list(net.parameters()), train_batches, eval_batches if eval_split else None,
-                       self.train, checkpoint_dir=staging / "checkpoints", on_epoch=on_epoch)
+                       self.train, checkpoint_dir=staging / "checkpoints", on_epoch=on_epoch,
+                       steps_per_epoch=-(-len(data.splits["train"]) // self.batch_size))
         best, _ = load_weights(staging / "checkpoints" / "best.pt") if eval_split else (net.state_dict(), {})
         net.load_state_dict(best)
         meta = {"arch": self.arch, "num_classes": len(data.class_names), "class_names": data.class_names,

@@ -1,0 +1,1 @@
+"""Benchmark scripts, one per question; run as ``python -m benchmarks.<script>`` from the repo root."""

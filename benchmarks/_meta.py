@@ -1,0 +1,93 @@
+"""Shared bookkeeping for benchmark scripts: machine, versions, settings, atomic JSON output.
+
+Every result file says where and how it was measured, so a number in the README can
+always be traced to a machine, a set of library versions and the command that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("torch", "torchvision", "numpy", "zarr", "numcodecs", "dask", "h5py", "albumentations", "pymoo")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    mem = None
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "versions": {name: _version(name) for name in PACKAGES},
+    }
+
+
+def command() -> str:
+    """The command line that produced this result, as a user would retype it."""
+    module = sys.modules["__main__"].__spec__
+    head = f"python -m {module.name}" if module is not None else f"python {sys.argv[0]}"
+    return " ".join([head, *sys.argv[1:]])
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/<name>.json`` atomically, stamped with machine, versions and date."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    record = {
+        "name": name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "machine": machine(),
+        "command": payload.pop("command", command()),
+        **payload,
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    os.replace(tmp, path)
+    return path

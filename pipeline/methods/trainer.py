@@ -1,0 +1,214 @@
+"""A generic epoch loop, indifferent to where batches come from.
+
+Single-stage (images through a frozen bottom) and two-stage (cached features)
+training must differ only in their batch source to compare them fairly, so both
+run through this loop with the same optimizer, schedule, metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field, model_validator
+from torch import nn
+
+from ..errors import DataError, ModelError
+from ..models.weights import save_weights
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+class TrainConfig(BaseModel, frozen=True, extra="forbid"):
+    epochs: int = Field(10, ge=1)
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_epochs: float = Field(0, ge=0, description="linear warmup from ~0 to lr, in epochs")
+    label_smoothing: float = Field(0.0, ge=0, le=1)
+    grad_clip: float | None = Field(None, gt=0, description="max global gradient L2 norm")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainConfig:
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be less than epochs ({self.epochs})")
+        return self
+
+    def lr_at(self, position: float) -> float:
+        """Learning rate at ``position`` epochs into training (fractional: per-step schedules)."""
+        w = self.warmup_epochs
+        if position < w:
+            return self.lr * min(1.0, (position + 1e-3) / w)
+        if self.schedule == "constant":
+            return self.lr
+        progress = (position - w) / (self.epochs - w)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_val_acc: float | None = None  # None when trained without evaluation batches
+    best_epoch: int | None = None
+    last_val_acc: float | None = None
+    total_seconds: float = 0.0
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def evaluate(model: nn.Module, batches: Batches) -> tuple[float, float, int]:
+    """(mean cross-entropy, accuracy, samples) in eval mode; no label smoothing, so runs compare."""
+    model.eval()
+    device = _device(model)
+    loss_sum, correct, n = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device), y.to(device).long()
+            logits = model(x)
+            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+            n += len(y)
+    if n == 0:
+        raise DataError("evaluation batches yielded no samples (is the evaluation split empty?)")
+    return loss_sum / n, correct / n, n
+
+
+def _steps_hint(batches: Any) -> int | None:
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
+
+@dataclass
+class _Epoch:
+    loss_sum: float = 0.0
+    correct: int = 0
+    samples: int = 0
+    steps: int = 0
+    lr: float = 0.0
+
+
+def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer, params: list[nn.Parameter],
+                 cfg: TrainConfig, epoch: int, steps_per_epoch: int | None,
+                 progress: Callable[[dict[str, Any]], None] | None) -> _Epoch:
+    device = _device(model)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    ep = _Epoch(lr=cfg.lr)
+    for step, (x, y) in enumerate(batches):
+        frac = step / steps_per_epoch if steps_per_epoch else 0.5
+        ep.lr = cfg.lr_at(epoch + min(frac, 1.0))
+        for group in opt.param_groups:
+            group["lr"] = ep.lr
+        x, y = x.to(device), y.to(device).long()
+        logits = model(x)
+        loss = loss_fn(logits, y)
+        value = loss.detach().item()
+        if not math.isfinite(value):
+            raise ModelError(
+                f"training diverged: loss is {value} at epoch {epoch}, step {step} "
+                f"(lr {ep.lr:.3g}); lower train.lr, set train.grad_clip, or check the inputs for NaN/inf"
+            )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip is not None:
+            nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        ep.loss_sum += value * len(y)
+        ep.correct += int((logits.detach().argmax(1) == y).sum())
+        ep.samples += len(y)
+        ep.steps = step + 1
+        if progress is not None:
+            progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": value, "lr": ep.lr})
+    if ep.samples == 0:
+        raise DataError(f"train_batches({epoch}) yielded no batches (is the train split empty?)")
+    return ep
+
+
+def train(model: nn.Module, parameters: Iterable[nn.Parameter],
+          train_batches: Callable[[int], Batches], eval_batches: Callable[[], Batches] | None,
+          cfg: TrainConfig, *, checkpoint_dir: Path | None,
+          on_epoch: Callable[[dict[str, Any]], None] | None = None,
+          progress: Callable[[dict[str, Any]], None] | None = None,
+          train_mode: Callable[[nn.Module], None] | None = None,
+          steps_per_epoch: int | None = None) -> TrainResult:
+    """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
+
+    ``train_mode(model)`` is called before each training pass (default ``model.train()``)
+    so a caller can keep frozen parts in eval mode. The lr follows the schedule per step;
+    when the steps per epoch are unknown (``steps_per_epoch`` not given and the batches
+    have no len) the first epoch uses its midpoint lr and later epochs the first epoch's
+    step count. RNG state is forked: dropout is reproducible by ``cfg.seed`` and the
+    caller's RNG is untouched. ``progress`` gets ``{epoch, step, samples, loss, lr}`` per step.
+    Records have val_* keys only when ``eval_batches`` is given. ``best.pt`` (highest val
+    acc; the last epoch without eval) and ``last.pt`` hold the model's state_dict in
+    ``save_weights`` format.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    if not params:
+        raise ModelError(f"no trainable parameters given to train {type(model).__name__} "
+                         "(all have requires_grad=False)")
+    if checkpoint_dir is not None:
+        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    opt = make_optimizer(params, cfg)
+    result = TrainResult()
+    t_start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        for epoch in range(cfg.epochs):
+            if train_mode is None:
+                model.train()
+            else:
+                train_mode(model)
+            t0 = time.perf_counter()
+            batches = train_batches(epoch)
+            ep = _train_epoch(model, batches, opt, params, cfg, epoch,
+                              steps_per_epoch or _steps_hint(batches), progress)
+            steps_per_epoch = steps_per_epoch or ep.steps
+            record: dict[str, Any] = {
+                "epoch": epoch, "train_loss": ep.loss_sum / ep.samples, "train_acc": ep.correct / ep.samples,
+                "epoch_seconds": time.perf_counter() - t0, "lr": ep.lr, "samples": ep.samples,
+                "steps": ep.steps, "eval_seconds": 0.0,
+            }
+            improved = True
+            if eval_batches is not None:
+                t1 = time.perf_counter()
+                val_loss, val_acc, val_n = evaluate(model, eval_batches())
+                record.update(val_loss=val_loss, val_acc=val_acc, val_samples=val_n,
+                              eval_seconds=time.perf_counter() - t1)
+                improved = result.best_val_acc is None or val_acc > result.best_val_acc
+                result.last_val_acc = val_acc
+                if improved:
+                    result.best_val_acc = val_acc
+            if improved:
+                result.best_epoch = epoch
+            if checkpoint_dir is not None:
+                meta = {k: v for k, v in record.items() if k in ("epoch", "val_acc", "train_loss")}
+                save_weights(model, checkpoint_dir / "last.pt", meta)
+                if improved:
+                    save_weights(model, checkpoint_dir / "best.pt", meta)
+            result.history.append(record)
+            if on_epoch is not None:
+                on_epoch(record)
+    result.total_seconds = time.perf_counter() - t_start
+    return result

@@ -1,0 +1,1 @@
+"""Backbones as block lists (``zoo``) and weights files (``weights``)."""

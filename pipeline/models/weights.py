@@ -1,0 +1,200 @@
+"""Weights files: content hashing, atomic save, safe load, and loading with readable mismatches.
+
+A weights file is ``{"state_dict": {name: tensor}, "meta": {plain values}}`` so it loads
+with ``torch.load(weights_only=True)`` (no pickled code runs). Plain state_dicts, such
+as torchvision hub checkpoints, load too, with empty metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import MissingPathError, ModelError
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, torch.Tensor]
+PLAIN = (str, int, float, bool, type(None))
+MAX_LISTED = 8  # keys listed per category in a mismatch message; the count says how many more
+
+
+def _state(module_or_state_dict: nn.Module | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(module_or_state_dict, nn.Module):
+        return module_or_state_dict.state_dict()
+    return module_or_state_dict
+
+
+def state_dict_hash(module_or_state_dict: nn.Module | Mapping[str, Any]) -> str:
+    """sha256 of names, dtypes, shapes and bytes in sorted key order: the same on every device."""
+    h = hashlib.sha256()
+    for key, value in sorted(_state(module_or_state_dict).items()):
+        h.update(key.encode() + b"\0")
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}|{tuple(t.shape)}\0".encode())
+            # Reinterpret as bytes so every dtype (bfloat16, bool) hashes without a numpy round trip.
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(f"{type(value).__name__}|{value!r}\0".encode())
+    return h.hexdigest()
+
+
+def _check_plain(value: Any, where: str) -> None:
+    if isinstance(value, PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ModelError(f"weights metadata key {where}.{k!r} must be a string, "
+                                 f"found {type(k).__name__}")
+            _check_plain(v, f"{where}.{k}")
+        return
+    raise ModelError(f"weights metadata {where} must be a plain value (str/int/float/bool/None/list/dict) "
+                     f"so the file loads with weights_only=True, found {type(value).__name__}")
+
+
+def save_weights(net: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
+                 metadata: Mapping[str, Any]) -> Path:
+    """Write atomically: a crash leaves the old file or the new one, never a truncated file."""
+    path = Path(path)
+    _check_plain(dict(metadata), "meta")
+    state: StateDict = {}
+    for key, value in _state(net).items():
+        if not isinstance(value, torch.Tensor):
+            raise ModelError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor "
+                             f"(saving {path})")
+        state[key] = value.detach().to("cpu")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save({"state_dict": state, "meta": dict(metadata)}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable; not every filesystem lets a directory be opened
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_weights(path: str | Path) -> tuple[StateDict, dict[str, Any]]:
+    """(state_dict, meta) from a file written by ``save_weights`` or a plain ``torch.save(state_dict)``."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingPathError(
+            f"weights file not found: {path}; pass a file written by save_weights or "
+            "torch.save(model.state_dict()), put a torchvision checkpoint in the hub cache and use "
+            "weights: hub, or pretrain a backbone with a `pretrain` stage"
+        )
+    if not path.is_file():
+        raise ModelError(f"weights path {path} is not a file (expected a .pt state_dict file)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same thing to the user
+        raise ModelError(f"cannot read weights file {path}: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''} (corrupt, truncated, or it holds "
+                         "objects other than tensors and plain values)") from None
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        state, meta = obj["state_dict"], obj.get("meta") or {}
+    elif isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        state, meta = obj, {}
+    else:
+        found = sorted(obj)[:MAX_LISTED] if isinstance(obj, dict) else type(obj).__name__
+        raise ModelError(f"weights file {path} holds {found}, expected a state_dict (name -> tensor) "
+                         "or {'state_dict': ..., 'meta': ...}")
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad or not isinstance(meta, dict):
+        raise ModelError(f"weights file {path} has non-tensor state_dict entries {bad[:MAX_LISTED]} "
+                         f"or non-dict meta ({type(meta).__name__})")
+    return dict(state), dict(meta)
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" (+{len(keys) - MAX_LISTED} more)" if len(keys) > MAX_LISTED else ""
+    return ", ".join(keys[:MAX_LISTED]) + more
+
+
+def _looks_torchvision(net: nn.Module, state_dict: Mapping[str, Any]) -> bool:
+    ours = ("blocks.", "head.")
+    return hasattr(net, "from_torchvision_keys") and not any(k.startswith(ours) for k in state_dict)
+
+
+def apply_weights(net: nn.Module, state_dict: Mapping[str, torch.Tensor], *, source: str,
+                  strict_head: bool = False) -> list[str]:
+    """Load ``state_dict`` into ``net`` or raise a ModelError listing every mismatch.
+
+    With ``strict_head=False`` the final classifier layer may differ in size (weights
+    trained on other classes): it keeps its fresh initialisation and a note says so.
+    Returns those notes. Torchvision-named state_dicts are renamed first.
+    """
+    if _looks_torchvision(net, state_dict):
+        state_dict = net.from_torchvision_keys(state_dict)  # type: ignore[operator]
+    own = net.state_dict()
+    # Listed in module order (blocks.2 before blocks.10) so the first problem shows first.
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shape = [k for k in own if k in state_dict and tuple(own[k].shape) != tuple(state_dict[k].shape)]
+    head_prefix = getattr(net, "final_layer_name", None)
+    notes: list[str] = []
+    if not strict_head and head_prefix and shape:
+        skipped = [k for k in shape if k.startswith(head_prefix + ".")]
+        if skipped:
+            shape = [k for k in shape if k not in skipped]
+            notes.append(f"classifier {head_prefix} not loaded from {source}: "
+                         + ", ".join(f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+                                     for k in skipped) + " (kept fresh initialisation)")
+    else:
+        skipped = []
+    if missing or unexpected or shape:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_listed(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_listed(unexpected)}")
+        if shape:
+            parts.append("shape mismatches: " + _listed(
+                [f"{k} {tuple(state_dict[k].shape)} in file vs {tuple(own[k].shape)} in model"
+                 for k in shape]))
+        arch = getattr(net, "arch", type(net).__name__)
+        raise ModelError(f"weights from {source} do not fit {arch}: " + "; ".join(parts)
+                         + " (check arch, width_mult and num_classes match the weights)")
+    merged = {k: (own[k] if k in skipped else state_dict[k]) for k in own}
+    net.load_state_dict(merged, strict=True)
+    for note in notes:
+        log.info(note)
+    return notes
+
+
+def hub_checkpoint(arch: str) -> Path | None:
+    """A torchvision checkpoint for ``arch`` already in torch's hub cache; never downloads."""
+    directory = Path(torch.hub.get_dir()) / "checkpoints"
+    if not directory.is_dir():
+        return None
+    # torchvision names files "<arch>-<hash>.pth" (EfficientNet: "<arch>_<variant>-<hash>.pth").
+    hits = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in (".pth", ".pt")
+                  and p.name.startswith((f"{arch}-", f"{arch}_")) and "-" in p.name)
+    return hits[0] if hits else None

@@ -1,0 +1,131 @@
+"""The CLI end to end on a shrunken quickstart: run, rerun (reuse), plan, validate, cache ls, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zarr
+
+from pipeline.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+# Shrink the quickstart so the suite stays fast; the structure is unchanged.
+FAST = ["stages.backbone.train.epochs=1", "stages.two_stage.train.epochs=2", "stages.baseline.train.epochs=1"]
+
+
+def run_cli(*args: str) -> int:
+    return main(list(args))
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("cli")
+    store = base / "store"
+    store.mkdir()
+    first, second = base / "run1", base / "run2"
+    assert run_cli("run", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--store", str(store),
+                   "--output", str(first), "--quiet") == 0
+    # Downstream-only changes (learning rate, epochs, feature augmentation): the cache is reused.
+    assert run_cli("run", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
+                   "stages.two_stage.train.lr=0.001", "--set", "stages.augmented_features.crop_padding=0",
+                   "--store", str(store), "--output", str(second), "--quiet") == 0
+    return {"store": store, "first": first, "second": second}
+
+
+def stages_by_name(run: Path) -> dict[str, dict]:
+    return {s["name"]: s for s in json.loads((run / "summary.json").read_text())["stages"]}
+
+
+def test_first_run_computes_and_writes_outputs(quick_runs: dict[str, Path]) -> None:
+    run = quick_runs["first"]
+    summary = json.loads((run / "summary.json").read_text())
+    for name in ("summary.json", "metrics.jsonl", "report.md", "recipe.resolved.yaml", "curves.png",
+                 "epoch_time.png"):
+        assert (run / name).is_file(), name
+    stages = stages_by_name(run)
+    assert stages["backbone"]["status"] == "computed" and stages["cache"]["status"] == "computed"
+    assert stages["cache"]["bytes_written"] > 0
+    for s in stages.values():
+        assert set(s) >= {"name", "type", "fingerprint", "status", "seconds", "bytes_written"}
+    m = summary["metrics"]
+    assert {"accuracy", "epoch_seconds", "cache_bytes", "bits"} <= set(m)
+    assert summary["results"]["two_stage"]["bits"] == 2 and summary["results"]["baseline"]["bits"] == 32
+    assert 0.0 <= m["accuracy"] <= 1.0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["stage"] for r in lines} >= {"backbone", "two_stage", "baseline"}
+
+
+def test_second_run_reuses_backbone_and_cache(quick_runs: dict[str, Path]) -> None:
+    first, second = stages_by_name(quick_runs["first"]), stages_by_name(quick_runs["second"])
+    for name in ("backbone", "cache", "features", "quantized", "target_images"):
+        assert second[name]["status"] == "reused", name
+        assert second[name]["fingerprint"] == first[name]["fingerprint"]
+    assert second["two_stage"]["status"] == "computed"
+    assert second["augmented_features"]["fingerprint"] != first["augmented_features"]["fingerprint"]
+
+
+def test_upstream_change_makes_a_new_entry(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    store = str(quick_runs["store"])
+    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--store", store, "--json") == 0
+    same = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert same["cache"]["action"] == "reuse" and same["backbone"]["action"] == "reuse"
+    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
+                   "stages.quantized.bits=4", "--store", store, "--json") == 0
+    changed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert changed["cache"]["action"] == "compute" and changed["backbone"]["action"] == "reuse"
+    assert changed["cache"]["fingerprint"] != same["cache"]["fingerprint"]
+    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
+                   "stages.features.train_last_blocks=3", "--store", store, "--json") == 0
+    cut = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert cut["cache"]["action"] == "compute" and cut["features"]["fingerprint"] != same["features"]["fingerprint"]
+
+
+def test_cache_entry_opens_with_stock_zarr(quick_runs: dict[str, Path]) -> None:
+    cache_fp = stages_by_name(quick_runs["first"])["cache"]["fingerprint"]
+    group = zarr.open_group(str(quick_runs["store"] / "entries" / cache_fp / "data.zarr"), mode="r")
+    codes = group["train/codes"]
+    assert codes.dtype == "uint8" and codes.shape[0] == 300  # 60 per class x 5 classes
+    assert group["val/x"].dtype == "float16"
+    lineage = dict(group.attrs)["lineage"]
+    assert lineage["stage"] == "cache" and lineage["meta"]["bits"] == 2 and "cut" in lineage["meta"]
+
+
+def test_cache_ls_lists_entries(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    assert run_cli("cache", "ls", "--store", str(quick_runs["store"])) == 0
+    out = capsys.readouterr().out
+    assert "quickstart:cache" in out and "quickstart:backbone" in out and "2 entries" in out
+
+
+def test_validate_and_plan_text(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    assert run_cli("validate", QUICKSTART) == 0
+    assert "valid" in capsys.readouterr().out
+    assert run_cli("plan", QUICKSTART, "--store", str(quick_runs["store"])) == 0
+    assert "frozen_forward" in capsys.readouterr().out
+
+
+def test_bad_inputs_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run_cli("run", str(tmp_path / "missing.yaml")) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    assert run_cli("validate", QUICKSTART, "--set", "stages.features.train_last_blocks=99") == 0  # range is a plan-time check
+    assert run_cli("plan", QUICKSTART, "--set", "stages.features.train_last_blocks=99",
+                   "--store", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "0..19" in err and "train_last_blocks=99" in err
+    assert run_cli("plan", QUICKSTART, "--store", str(tmp_path / "no" / "such" / "dir")) == 2
+    assert "no/such/dir" in capsys.readouterr().err
+    assert run_cli("cache", "ls", "--store", str(tmp_path / "absent")) == 2
+    bad = tmp_path / "w.yaml"
+    bad.write_text("name: w\nstages:\n  m: {type: backbone, weights: /no/such/weights.pt}\n")
+    assert run_cli("plan", str(bad), "--store", str(tmp_path)) == 2
+    assert "/no/such/weights.pt" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "pipeline", "validate", QUICKSTART], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
