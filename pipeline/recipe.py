@@ -55,14 +55,29 @@ class Recipe(BaseModel):
 
 
 # ---------------------------------------------------------------------------- lines
+def _yaml_problem(exc: yaml.YAMLError, source: str, what: str) -> str:
+    """'file:LINE: what: problem', naming the line where the broken construct starts.
+
+    An unclosed bracket is only noticed at the end of the file; the line that opened it
+    (pyyaml's context mark) is the one the user has to fix.
+    """
+    context = getattr(exc, "context_mark", None)
+    mark = context or getattr(exc, "problem_mark", None)
+    where = f"{source}:{mark.line + 1}" if mark else source
+    detail = getattr(exc, "problem", None) or str(exc)
+    if context is not None and getattr(exc, "context", None):
+        problem_mark = getattr(exc, "problem_mark", None)
+        at = f" at line {problem_mark.line + 1}" if problem_mark else ""
+        detail = f"{exc.context} starting here: {detail}{at}"  # type: ignore[attr-defined]
+    return f"{where}: {what}: {detail}"
+
+
 def _line_map(text: str, source: str) -> dict[Path_, int]:
     """Field path -> 1-based line, from the safe composer's node tree."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise RecipeError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise RecipeError(_yaml_problem(exc, source, "not valid YAML")) from None
     lines: dict[Path_, int] = {}
 
     def walk(node: yaml.Node, path: Path_) -> None:
@@ -221,9 +236,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:  # e.g. a python/object tag: recipes are plain data
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise RecipeError(f"{where}: not a plain-data recipe: {getattr(exc, 'problem', exc)}") from None
+        raise RecipeError(_yaml_problem(exc, source, "not a plain-data recipe")) from None
     if data is None:
         raise RecipeError(f"{source}: the recipe is empty")
     overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else set()

@@ -18,7 +18,7 @@ from typing import Any
 from stores.catalog import Entry
 
 from .context import RunContext
-from .errors import DataError, ModelError, StageError
+from .errors import DataError, MissingPathError, ModelError, StageError
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
 from .graph import Graph
 from .recipe import Recipe
@@ -80,7 +80,7 @@ class Runner:
                     seconds = time.perf_counter() - start
                 else:
                     self.specs[name] = stage.resolve(in_specs, self.ctx)
-            except (StageError, DataError, ModelError) as exc:
+            except (StageError, DataError, ModelError, MissingPathError) as exc:
                 raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
             parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
             try:
@@ -180,7 +180,7 @@ class Runner:
                 continue
             stage = self.recipe.stages[name]
             value = self._outputs.get(name)
-            if isinstance(value, Stream):
+            if isinstance(value, Stream) and not stage.cacheable:
                 report = self.reports[name]
                 report.seconds = value.stats.seconds
                 report.status = "computed" if value.stats.batches else "reused"

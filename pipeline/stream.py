@@ -32,7 +32,14 @@ class Stream:
     spec: Spec
     stats: StreamStats
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        """Batches of ``split``; ``start`` skips the first samples of the unshuffled order.
+
+        ``start`` is how an interrupted cache build resumes (and a repair recomputes one
+        chunk) without redoing upstream work for samples already stored: every stream
+        passes it to its parent, and the stream that owns the samples skips them.
+        """
         raise NotImplementedError
 
     def stored_bytes(self) -> int:
@@ -53,15 +60,16 @@ class MapStream(Stream):
         self.splits = splits
         self.stats = StreamStats()
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
-        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed)
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
         if self.splits is not None and split not in self.splits:
             yield from batches
             return
         for batch in batches:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             out = self.fn(batch, split, epoch, seed)
-            self.stats.add(time.perf_counter() - start, batch_size_of(out))
+            self.stats.add(time.perf_counter() - t0, batch_size_of(out))
             yield out
 
     def stored_bytes(self) -> int:

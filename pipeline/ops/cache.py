@@ -132,17 +132,26 @@ class StoredStream(Stream):
             self.stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
             yield batch
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
         self.spec.split(split, stage=str(self.path))
         n_chunks = self.reader.num_chunks(split)
         if shuffle:
+            if start:
+                raise ValueError("start (resume) is only defined for the unshuffled order")
             gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
             order = torch.randperm(n_chunks, generator=gen).numpy()
         else:
-            order = np.arange(n_chunks)
+            per = self.reader.chunk_samples(split)
+            order = np.arange(start // per, n_chunks)
         chunks = prefetch(self._chunks(split, order), self.prefetch_depth, name=f"read-{split}")
         if not shuffle:
-            yield from chunks
+            skip = start % self.reader.chunk_samples(split)
+            for batch in chunks:
+                if skip:
+                    batch = {k: v[skip:] for k, v in batch.items()}
+                    skip = 0
+                yield batch
             return
         per_chunk = max(1, self.spec.splits[split].num_samples // max(1, n_chunks))
         yield from window_shuffle(chunks, self.window_chunks * per_chunk, seed=seed * 7919 + epoch,

@@ -50,20 +50,24 @@ class DatasetStream(Stream):
         self.prefetch_depth = prefetch_depth
         self.stats = StreamStats()
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
         samples = self.data.splits[split]
         n = len(samples)
         if shuffle:
+            if start:
+                raise ValueError("start (resume) is only defined for the unshuffled order")
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).numpy()
         else:
-            order = np.arange(n)
+            order = np.arange(start, n)
+        n = len(order)
         augment = self.augment if split in self.augment_splits else None
         labels = np.asarray(samples.labels)
 
         def batches() -> Iterator[Batch]:
-            for start in range(0, n, self.batch_size):
+            for pos in range(0, n, self.batch_size):
                 t0 = time.perf_counter()
-                idx = order[start:start + self.batch_size]
+                idx = order[pos:pos + self.batch_size]
                 images = samples.load(idx)
                 if augment is not None:
                     images = augment(images, idx, epoch=epoch, seed=seed)

@@ -41,8 +41,9 @@ class ForwardStream(Stream):
         self.batch_size = batch_size
         self.stats = StreamStats()
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
-        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed)
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
         if self.batch_size:
             batches = rechunk(batches, self.batch_size)
         for batch in batches:

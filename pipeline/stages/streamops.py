@@ -20,9 +20,10 @@ class OpStream(Stream):
     def __init__(self, parent: Stream, op: Any) -> None:
         self.parent, self.op, self.spec, self.stats = parent, op, parent.spec, StreamStats()
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
-        return self.op(self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed), split, epoch, seed,
-                       shuffle)
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
+        return self.op(batches, split, epoch, seed, shuffle)
 
     def stored_bytes(self) -> int:
         return self.parent.stored_bytes()

@@ -1,0 +1,166 @@
+"""Class-per-folder trees of JPEG/PNG files as sample sets.
+
+Layout: ``root/<class>/**/<image>``, or ``root/{train,val,test}/<class>/...`` for
+official splits. Class names are the sorted folder names (shared by all splits),
+samples are ordered by class then relative path, so the same tree always gives the
+same indices, wherever it lives.
+
+Bad files are handled by policy. Every file's header is opened when indexing (cheap,
+and it catches non-images and unreadable files up front). With ``"skip"`` every
+image is also fully decoded at indexing, so the sample counts that plans, splits
+and step counts rely on are final before training starts; with ``"fail"`` a file
+whose pixel data is broken raises when it is first loaded, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
+
+from ..errors import DataError, MissingPathError
+from .identity import files_identity, hash_json
+from .sampleset import Images, SampleSet, as_batch
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png"})
+SPLIT_NAMES = ("train", "val", "test")
+#: How many skipped files the warning lists by name.
+SHOWN_SKIPS = 5
+
+BadSamplePolicy = Literal["fail", "skip"]
+
+
+class SkippedSamplesWarning(UserWarning):
+    """Some images could not be read and were left out of the dataset (``on_bad_sample: skip``)."""
+
+
+def _to_array(im: Image.Image) -> np.ndarray:
+    """A PIL image as uint8 HWC with 1 (grayscale) or 3 (colour) channels."""
+    if im.mode.startswith("I;16"):
+        return (np.asarray(im).astype(np.uint16) >> 8).astype(np.uint8)[:, :, None]
+    if im.mode == "I":  # 16-bit grayscale PNGs on some Pillow versions
+        return np.clip(np.asarray(im) / 257.0, 0, 255).round().astype(np.uint8)[:, :, None]
+    if im.mode == "F":
+        return np.clip(np.asarray(im), 0, 255).round().astype(np.uint8)[:, :, None]
+    if im.mode in ("1", "L", "LA", "La"):
+        return np.asarray(im if im.mode == "L" else im.convert("L"))[:, :, None]
+    return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
+
+
+def read_image(path: Path) -> np.ndarray:
+    """Decode an image file to uint8 HWC (EXIF orientation applied); DataError naming the file on failure."""
+    try:
+        with Image.open(path) as im:
+            if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+                return _to_array(ImageOps.exif_transpose(im))
+            return _to_array(im)
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ... for broken files
+        raise DataError(f"{path}: cannot decode image: {type(exc).__name__}: {exc}") from exc
+
+
+def check_image(path: Path, *, full: bool) -> None:
+    """Raise DataError if ``path`` is not a readable image: header only, or a full (reduced-size) decode."""
+    try:
+        with Image.open(path) as im:
+            if full:
+                if im.format == "JPEG":
+                    im.draft(im.mode, (1, 1))  # decode at 1/8 scale: every byte is still parsed
+                im.load()
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ... for broken files
+        raise DataError(f"{path}: cannot decode image: {type(exc).__name__}: {exc}") from exc
+
+
+class FileSampleSet(SampleSet):
+    """Samples stored as image files, decoded on every load; identity is the files' content."""
+
+    def __init__(self, paths: Sequence[Path], labels: np.ndarray | Sequence[int], class_names: Sequence[str],
+                 *, name: str) -> None:
+        super().__init__(labels, class_names, name=name)
+        if len(paths) != len(self.labels):
+            raise DataError(f"{name}: {len(paths)} files but {len(self.labels)} labels")
+        self.paths = list(paths)
+
+    def _load(self, idx: np.ndarray) -> Images:
+        return as_batch([read_image(self.paths[i]) for i in idx])
+
+    def _content_identity(self) -> str:
+        return hash_json({"format": "image-files", "files": files_identity(self.paths)})
+
+
+def _visible_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """Image files under ``folder`` (recursively, following links), sorted by relative path."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [Path(dirpath) / f for f in filenames
+                  if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _split_folders(root: Path) -> dict[str, Path]:
+    """``{split: folder}``: the split folders if root holds only those (train required), else root."""
+    subdirs = {p.name: p for p in _visible_dirs(root)}
+    if "train" in subdirs and set(subdirs) <= set(SPLIT_NAMES):
+        return {name: subdirs[name] for name in SPLIT_NAMES if name in subdirs}
+    return {"train": root}
+
+
+def image_folder(root: str | Path, *, on_bad_sample: BadSamplePolicy = "fail") -> dict[str, FileSampleSet]:
+    """Index a class-per-folder image tree into ``{split: FileSampleSet}`` (see module docstring)."""
+    if on_bad_sample not in ("fail", "skip"):
+        raise DataError(f"on_bad_sample must be 'fail' or 'skip', got {on_bad_sample!r}")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise MissingPathError(f"image_folder root {root} {what}; set `root:` to a folder holding one "
+                               f"subfolder of images per class (optionally under train/, val/, test/)")
+    splits = _split_folders(root)
+    class_dirs = {split: {d.name: d for d in _visible_dirs(folder)} for split, folder in splits.items()}
+    class_names = sorted(set().union(*class_dirs.values()))
+    if not class_names:
+        raise DataError(f"{root}: no class folders found; expected one subfolder of JPEG/PNG images "
+                        f"per class")
+
+    skipped: list[str] = []
+    sets: dict[str, FileSampleSet] = {}
+    for split, folders in class_dirs.items():
+        paths: list[Path] = []
+        labels: list[int] = []
+        for label, cls in enumerate(class_names):
+            if cls not in folders:
+                continue
+            files = _image_files(folders[cls])
+            if not files:
+                raise DataError(f"{folders[cls]}: class folder holds no images "
+                                f"(expected files ending in {', '.join(sorted(IMAGE_SUFFIXES))})")
+            good = []
+            for path in files:
+                try:
+                    check_image(path, full=on_bad_sample == "skip")
+                except DataError as exc:
+                    if on_bad_sample == "fail":
+                        raise
+                    skipped.append(str(exc))
+                    continue
+                good.append(path)
+            if not good:
+                raise DataError(f"{folders[cls]}: none of the {len(files)} images in this class folder "
+                                f"could be read")
+            paths += good
+            labels += [label] * len(good)
+        sets[split] = FileSampleSet(paths, np.asarray(labels, np.int64), class_names,
+                                    name=f"image_folder {splits[split]}")
+    if skipped:
+        shown = "; ".join(skipped[:SHOWN_SKIPS]) + ("; ..." if len(skipped) > SHOWN_SKIPS else "")
+        warnings.warn(f"image_folder {root}: skipped {len(skipped)} unreadable image(s) "
+                      f"(on_bad_sample: skip): {shown}", SkippedSamplesWarning, stacklevel=2)
+    return sets

@@ -1,0 +1,119 @@
+"""Class selection, stratified train/val/test carving and few-shot caps.
+
+Every random choice is drawn per original class from ``(seed, class index)``, so:
+the same seed gives the same split; selecting a different set of classes (source
+vs target classes of one dataset) leaves each shared class's split unchanged; the
+test samples do not move when ``val_fraction`` changes; and a smaller ``per_class``
+is a subset of a larger one (few-shot curves compare like with like).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import DataError
+from .sampleset import SampleSet
+
+
+def _count(fraction: float, n: int) -> int:
+    """Round half up (Python's round() would round 2.5 to 2 and 3.5 to 4)."""
+    return int(np.floor(fraction * n + 0.5))
+
+
+def _relabel_map(num_classes: int, classes: Sequence[int]) -> np.ndarray:
+    """old label -> new label (position in ``classes``), -1 for classes not selected."""
+    remap = np.full(num_classes, -1, np.int64)
+    remap[np.asarray(classes, np.int64)] = np.arange(len(classes))
+    return remap
+
+
+def select_classes(sample_set: SampleSet, classes: Sequence[int]) -> SampleSet:
+    """Samples of ``classes`` only, relabelled 0..k-1 in the order given (assumed validated)."""
+    remap = _relabel_map(len(sample_set.class_names), classes)
+    keep = np.flatnonzero(remap[sample_set.labels] >= 0)
+    names = [sample_set.class_names[c] for c in classes]
+    return sample_set.subset(keep, labels=remap[sample_set.labels[keep]], class_names=names,
+                             name=f"{sample_set.name}[classes]")
+
+
+def _check_args(sets: dict[str, SampleSet], classes: list[int] | None, per_class: int | None,
+                val_fraction: float, test_fraction: float) -> list[int]:
+    if "train" not in sets:
+        raise DataError(f"dataset has no 'train' split to split (found {sorted(sets)})")
+    names = sets["train"].class_names
+    for split, s in sets.items():
+        if s.class_names != names:
+            raise DataError(f"split {split!r} has class names {s.class_names[:5]}... but 'train' has "
+                            f"{names[:5]}...; all splits of a dataset must share class names")
+    if not (0.0 <= val_fraction < 1.0 and 0.0 <= test_fraction < 1.0 and val_fraction + test_fraction < 1.0):
+        raise DataError(f"val_fraction ({val_fraction}) and test_fraction ({test_fraction}) must each be in "
+                        f"[0, 1) and sum to less than 1")
+    if per_class is not None and per_class < 1:
+        raise DataError(f"per_class must be >= 1 (or null for no cap), got {per_class}")
+    n = len(names)
+    if classes is None:
+        return list(range(n))
+    if len(classes) == 0:
+        raise DataError(f"classes is empty; list class indices in 0..{n - 1} or omit it for all classes")
+    bad = [c for c in classes if not 0 <= int(c) < n]
+    if bad:
+        raise DataError(f"classes {bad} out of range: this dataset has {n} classes, "
+                        f"valid indices are 0..{n - 1}")
+    dupes = sorted({int(c) for c in classes if list(classes).count(c) > 1})
+    if dupes:
+        raise DataError(f"classes lists {dupes} more than once; each class may appear once")
+    return [int(c) for c in classes]
+
+
+def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_class: int | None,
+                val_fraction: float, test_fraction: float, seed: int,
+                use_official_test: bool) -> dict[str, SampleSet]:
+    """Select classes, carve stratified val/test from ``train``, cap train per class.
+
+    - ``classes`` (None = all) are relabelled 0..k-1 in the given order.
+    - ``test``: the official test split if present and ``use_official_test``, else
+      ``test_fraction`` of each class of train (no test if that is 0).
+    - ``val``: ``val_fraction`` of each class of train (an official ``val`` split is
+      used instead when present and ``use_official_test``); omitted if the fraction is 0.
+    - ``train``: the rest, capped at ``per_class`` samples per class; val/test are not capped.
+    Each class keeps at least one train sample when it has any. No sample is in two splits.
+    """
+    order = _check_args(sets, classes, per_class, val_fraction, test_fraction)
+    train = sets["train"]
+    official_test = use_official_test and "test" in sets
+    official_val = use_official_test and "val" in sets and val_fraction > 0
+    carve_test = 0.0 if official_test else test_fraction
+    carve_val = 0.0 if official_val else val_fraction
+
+    picked: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
+    for c in order:
+        members = np.flatnonzero(train.labels == c)
+        members = members[np.random.default_rng([seed, c]).permutation(len(members))]
+        n = len(members)
+        n_test, n_val = _count(carve_test, n), _count(carve_val, n)
+        while n > 0 and n - n_test - n_val < 1:  # keep one train sample: shrink the larger held-out part
+            if n_val >= n_test:
+                n_val -= 1
+            else:
+                n_test -= 1
+        picked["test"].append(members[:n_test])
+        picked["val"].append(members[n_test:n_test + n_val])
+        rest = members[n_test + n_val:]
+        picked["train"].append(rest if per_class is None else rest[:per_class])
+
+    remap = _relabel_map(len(train.class_names), order)
+    names = [train.class_names[c] for c in order]
+    out: dict[str, SampleSet] = {}
+    wanted = {"train": True, "val": val_fraction > 0 and not official_val, "test": carve_test > 0}
+    for split, parts in picked.items():
+        if wanted[split]:
+            idx = np.sort(np.concatenate(parts))
+            out[split] = train.subset(idx, labels=remap[train.labels[idx]], class_names=names,
+                                      name=f"{train.name}[{split}]")
+    if official_val:
+        out["val"] = select_classes(sets["val"], order)
+    if official_test:
+        out["test"] = select_classes(sets["test"], order)
+    return {name: out[name] for name in ("train", "val", "test") if name in out}

@@ -1,0 +1,151 @@
+"""make_splits: disjoint, stratified, capped, relabelled, deterministic, and clear about bad classes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.data.sampleset import ArraySampleSet, SampleSet
+from pipeline.data.splits import make_splits
+from pipeline.errors import DataError
+
+
+def dataset(counts: list[int], with_test: int = 0) -> dict[str, SampleSet]:
+    """Each image's single pixel stores its own index in the train set (mod 256) to track samples."""
+    labels = np.repeat(np.arange(len(counts)), counts)
+    n = len(labels)
+    images = (np.arange(n) % 256).astype(np.uint8).reshape(n, 1, 1)
+    names = [f"c{i}" for i in range(len(counts))]
+    sets: dict[str, SampleSet] = {"train": ArraySampleSet(images, labels, names, name="toy/train")}
+    if with_test:
+        test_labels = np.arange(with_test) % len(counts)
+        sets["test"] = ArraySampleSet(np.zeros((with_test, 1, 1), np.uint8), test_labels, names,
+                                      name="toy/test")
+    return sets
+
+
+def parent_indices(s: SampleSet) -> np.ndarray:
+    return np.asarray(s.indices)  # type: ignore[attr-defined]
+
+
+def split(sets: dict[str, SampleSet], **kw: object) -> dict[str, SampleSet]:
+    args: dict[str, object] = {"classes": None, "per_class": None, "val_fraction": 0.2, "test_fraction": 0.2,
+                               "seed": 0, "use_official_test": True}
+    args.update(kw)
+    return make_splits(sets, **args)  # type: ignore[arg-type]
+
+
+def test_disjoint_and_complete_without_cap() -> None:
+    out = split(dataset([50, 30, 20]))
+    assert set(out) == {"train", "val", "test"}
+    idx = [parent_indices(s) for s in out.values()]
+    joined = np.concatenate(idx)
+    assert len(joined) == len(np.unique(joined)) == 100  # no sample twice, none lost
+    for s in out.values():  # labels still match the samples they describe
+        assert (s.labels == dataset([50, 30, 20])["train"].labels[parent_indices(s)]).all()
+
+
+def test_stratified_fractions() -> None:
+    out = split(dataset([50, 30, 20]), val_fraction=0.2, test_fraction=0.1)
+    assert np.bincount(out["val"].labels).tolist() == [10, 6, 4]
+    assert np.bincount(out["test"].labels).tolist() == [5, 3, 2]
+    assert np.bincount(out["train"].labels).tolist() == [35, 21, 14]
+
+
+def test_per_class_caps_train_only_and_nests() -> None:
+    sets = dataset([50, 30, 20])
+    five = split(sets, per_class=5)
+    assert np.bincount(five["train"].labels).tolist() == [5, 5, 5]
+    assert np.bincount(five["val"].labels).tolist() == [10, 6, 4]  # not capped
+    ten = split(sets, per_class=10)
+    assert set(parent_indices(five["train"])) <= set(parent_indices(ten["train"]))
+    np.testing.assert_array_equal(parent_indices(five["test"]), parent_indices(ten["test"]))
+    assert np.bincount(split(sets, per_class=100)["train"].labels).tolist() == [30, 18, 12]
+
+
+def test_class_selection_relabels_in_given_order() -> None:
+    sets = dataset([10, 20, 30, 40], with_test=8)
+    out = split(sets, classes=[3, 1])
+    for s in out.values():
+        assert s.class_names == ["c3", "c1"]
+        assert set(s.labels.tolist()) == {0, 1}
+        original = s.parent.labels[parent_indices(s)]  # type: ignore[attr-defined]
+        assert ((original == 3) == (s.labels == 0)).all() and ((original == 1) == (s.labels == 1)).all()
+    assert len(out["test"]) == 4  # official test: only the selected classes, 2 each
+    # A class's split does not depend on which other classes were selected.
+    alone = split(sets, classes=[1])
+    np.testing.assert_array_equal(parent_indices(alone["val"]),
+                                  parent_indices(out["val"])[out["val"].labels == 1])
+
+
+def test_official_test_is_used_or_ignored() -> None:
+    sets = dataset([20, 20], with_test=10)
+    official = split(sets, use_official_test=True)
+    assert len(official["test"]) == 10 and len(official["train"]) + len(official["val"]) == 40
+    carved = split(sets, use_official_test=False)
+    assert len(carved["test"]) == 8 and len(carved["train"]) + len(carved["val"]) + 8 == 40
+    none = split(dataset([20, 20]), test_fraction=0.0, val_fraction=0.0)
+    assert set(none) == {"train"} and len(none["train"]) == 40
+
+
+def test_deterministic_per_seed() -> None:
+    sets = dataset([40, 40])
+    a, b, c = split(sets, seed=1), split(sets, seed=1), split(sets, seed=2)
+    for name in a:
+        np.testing.assert_array_equal(parent_indices(a[name]), parent_indices(b[name]))
+        assert a[name].identity() == b[name].identity()
+    assert not np.array_equal(parent_indices(a["val"]), parent_indices(c["val"]))
+    assert a["val"].identity() != c["val"].identity()
+
+
+def test_subset_identity_reflects_selection() -> None:
+    sets = dataset([40, 40])
+    ids = {split(sets, per_class=k)["train"].identity() for k in (3, 4, 5)}
+    assert len(ids) == 3
+    assert split(sets)["train"].identity() != sets["train"].identity()
+
+
+def test_bad_arguments_are_named() -> None:
+    sets = dataset([5, 5, 5])
+    with pytest.raises(DataError, match=r"classes \[3, -1\] out of range.*3 classes.*0\.\.2"):
+        split(sets, classes=[0, 3, -1])
+    with pytest.raises(DataError, match="more than once"):
+        split(sets, classes=[1, 1])
+    with pytest.raises(DataError, match="classes is empty"):
+        split(sets, classes=[])
+    with pytest.raises(DataError, match="sum to less than 1"):
+        split(sets, val_fraction=0.6, test_fraction=0.5)
+    with pytest.raises(DataError, match="no 'train' split"):
+        make_splits({"test": sets["train"]}, classes=None, per_class=None, val_fraction=0.1,
+                    test_fraction=0.1, seed=0, use_official_test=True)
+
+
+def test_tiny_classes_keep_a_train_sample() -> None:
+    out = split(dataset([1, 2, 3]), val_fraction=0.4, test_fraction=0.4)
+    assert np.bincount(out["train"].labels, minlength=3).min() >= 1
+
+
+def test_loading_through_splits_returns_the_right_pixels() -> None:
+    out = split(dataset([30, 30]), per_class=4)
+    s = out["train"]
+    pixels = s.load(np.arange(len(s)))[:, 0, 0, 0]
+    np.testing.assert_array_equal(pixels, parent_indices(s) % 256)
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=6),
+       val=st.floats(0.0, 0.45), test=st.floats(0.0, 0.45),
+       per_class=st.one_of(st.none(), st.integers(1, 10)),
+       seed=st.integers(0, 2**31 - 1))
+def test_never_a_sample_in_two_splits(counts: list[int], val: float, test: float, per_class: int | None,
+                                      seed: int) -> None:
+    sets = dataset(counts)
+    out = split(sets, val_fraction=val, test_fraction=test, per_class=per_class, seed=seed)
+    joined = np.concatenate([parent_indices(s) for s in out.values()])
+    assert len(joined) == len(np.unique(joined))
+    for s in out.values():
+        assert (s.labels == sets["train"].labels[parent_indices(s)]).all()
+    if per_class is not None:
+        assert np.bincount(out["train"].labels, minlength=len(counts)).max(initial=0) <= per_class
