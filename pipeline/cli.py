@@ -184,3 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except Exception as exc:  # a bug, not bad input: say so, keep the traceback one variable away
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(f"internal error: {type(exc).__name__}: {exc}\n(this is a bug in ondevice-tl; rerun with "
+              "ONDEVICE_TL_DEBUG=1 to see the traceback and please report it)", file=sys.stderr)
+        return EXIT_FAILED

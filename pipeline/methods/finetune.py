@@ -55,6 +55,8 @@ def xy(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tenso
 
 @register
 class Finetune(Stage):
+    """Train the top blocks + classifier: two_stage from cached features, or the single_stage baseline."""
+
     type_name: ClassVar[str] = "finetune"
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}

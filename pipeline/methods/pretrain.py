@@ -30,6 +30,8 @@ WEIGHTS_FILE = "weights.pt"
 
 @register
 class Pretrain(Stage):
+    """Train a backbone on source classes and store it as a content-addressed 'pretrained' artifact."""
+
     type_name: ClassVar[str] = "pretrain"
     kind: ClassVar[str] = MODEL
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}

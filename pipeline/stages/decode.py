@@ -82,6 +82,8 @@ class DatasetStream(Stream):
 
 @register
 class Decode(Stage):
+    """Images -> normalized RGB tensors at ``resolution``, optionally augmented in input space."""
+
     type_name: ClassVar[str] = "decode"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}

@@ -62,6 +62,8 @@ def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) ->
 
 @register
 class FeatureAugment(Stage):
+    """Random crop (zero padding) and horizontal flip of feature maps, per sample, seeded."""
+
     type_name: ClassVar[str] = "feature_aug"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}

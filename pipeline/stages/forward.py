@@ -59,6 +59,8 @@ class ForwardStream(Stream):
 
 @register
 class FrozenForward(Stage):
+    """The frozen bottom of a backbone (eval mode, no grad), up to the cut ``train_last_blocks`` from the top."""
+
     type_name: ClassVar[str] = "frozen_forward"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": STREAM, "model": MODEL}

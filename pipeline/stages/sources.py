@@ -85,6 +85,8 @@ class ImageFolder(SourceStage):
 
 @register
 class Cifar10(SourceStage):
+    """CIFAR-10 from a torchvision root folder; never downloads unless ``download: true``."""
+
     type_name: ClassVar[str] = "cifar10"
     root: str
     download: bool = False
@@ -96,6 +98,8 @@ class Cifar10(SourceStage):
 
 @register
 class Cifar100(Cifar10):
+    """CIFAR-100 from a torchvision root folder; never downloads unless ``download: true``."""
+
     type_name: ClassVar[str] = "cifar100"
 
     def load_sets(self) -> dict[str, SampleSet]:
