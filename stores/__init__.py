@@ -6,43 +6,79 @@ This package is the lower layer of the toolkit and never imports ``pipeline``.
 from __future__ import annotations
 
 from stores.abc import Store, is_valid_key, validate_key
-from stores.catalog import Catalog, Entry, Staging, human_size, validate_fingerprint
+from stores.catalog import (
+    Catalog,
+    Entry,
+    EntryUse,
+    GcReport,
+    Staging,
+    hash_payload,
+    human_size,
+    validate_fingerprint,
+)
 from stores.errors import (
+    BudgetError,
     CatalogError,
     CorruptChunkError,
+    EntryInUseError,
     EntryReadError,
     EntryWriteError,
     InvalidKeyError,
     KeyConflictError,
+    LockTimeoutError,
     ReadOnlyError,
     StaleStagingWarning,
     StoreError,
+    StoreFullError,
     StoreNotFoundError,
 )
 from stores.local import LocalStore, atomic_write_bytes, fsync_dir
-from stores.zarr_entry import ArraySpec, ZarrReader, ZarrWriter, suggest_chunk_samples
+from stores.lock import DirLock, FileLock, LockHolder
+from stores.verify import Problem, VerifyReport
+from stores.zarr_entry import (
+    ArraySpec,
+    ChunkProblem,
+    DurableLocalStore,
+    ZarrReader,
+    ZarrWriter,
+    suggest_chunk_samples,
+)
 
 __all__ = [
     "ArraySpec",
+    "BudgetError",
     "Catalog",
     "CatalogError",
+    "ChunkProblem",
     "CorruptChunkError",
+    "DirLock",
+    "DurableLocalStore",
     "Entry",
+    "EntryInUseError",
     "EntryReadError",
+    "EntryUse",
     "EntryWriteError",
+    "FileLock",
+    "GcReport",
     "InvalidKeyError",
     "KeyConflictError",
     "LocalStore",
+    "LockHolder",
+    "LockTimeoutError",
+    "Problem",
     "ReadOnlyError",
     "Staging",
     "StaleStagingWarning",
     "Store",
     "StoreError",
+    "StoreFullError",
     "StoreNotFoundError",
+    "VerifyReport",
     "ZarrReader",
     "ZarrWriter",
     "atomic_write_bytes",
     "fsync_dir",
+    "hash_payload",
     "human_size",
     "is_valid_key",
     "suggest_chunk_samples",

@@ -9,6 +9,8 @@ array or chunk involved plus what was expected and what was found.
 
 from __future__ import annotations
 
+import errno
+
 
 class StoreError(Exception):
     """Base of every error this package raises on purpose."""
@@ -64,6 +66,96 @@ class CorruptChunkError(StoreError, ValueError):
         # The default exception pickling replays ``args`` (the message) into __init__, which
         # takes four fields; dask/multiprocessing workers must be able to ship this error back.
         return (type(self), (self.path, self.array, self.chunk, self.reason))
+
+
+class BudgetError(CatalogError):
+    """A build cannot fit in the catalog's byte budget (or on the disk) even after evicting.
+
+    Raised *before* any work starts, with the numbers involved: ``needed`` (the build's
+    estimate), ``available`` (what evicting everything evictable would leave room for),
+    and the fingerprints that could not be evicted because they are ``pinned`` or ``in_use``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed: int,
+        available: int,
+        pinned: tuple[str, ...] = (),
+        in_use: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+        self.pinned = pinned
+        self.in_use = in_use
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_budget_error, (str(self), self.needed, self.available, self.pinned, self.in_use))
+
+
+def _rebuild_budget_error(
+    message: str, needed: int, available: int, pinned: tuple[str, ...], in_use: tuple[str, ...]
+) -> BudgetError:
+    return BudgetError(message, needed=needed, available=available, pinned=pinned, in_use=in_use)
+
+
+class EntryInUseError(CatalogError):
+    """An entry cannot be removed because a reader (this or another process) holds it."""
+
+
+class LockTimeoutError(CatalogError, TimeoutError):
+    """Waiting for another process's lock (e.g. one building the same entry) took too long.
+
+    ``holder`` is the lock holder's description (pid, host, since when, what for) if known.
+    """
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.holder))
+
+
+class StoreFullError(StoreError, OSError):
+    """The disk filled up (ENOSPC/EDQUOT) while writing an entry.
+
+    It is an ``OSError`` with ``errno == ENOSPC`` so code that already handles a full disk
+    keeps working, and carries ``entry`` (fingerprint, or None if unknown), ``path`` (the
+    file or directory being written) and ``free_bytes`` (free space when it was noticed,
+    None if it could not be measured). The staging directory has been removed by the time
+    the catalog raises it; other entries are untouched.
+    """
+
+    def __init__(
+        self,
+        entry: str | None,
+        path: str,
+        free_bytes: int | None,
+        detail: str = "",
+        cleaned_up: bool = False,
+    ) -> None:
+        self.entry = entry
+        self.free_bytes = free_bytes
+        self.detail = detail
+        self.cleaned_up = cleaned_up
+        what = f"entry {entry}" if entry else "a cache entry"
+        free = "unknown" if free_bytes is None else f"{free_bytes} bytes"
+        after = "The partial build was removed; " if cleaned_up else ""
+        extra = f"; {detail}" if detail else ""
+        self.message = (
+            f"the disk is full while writing {what} at {path} ({free} free{extra}). {after}Free space "
+            "(e.g. `cache gc`, remove old entries or set a smaller cache budget) and re-run."
+        )
+        super().__init__(errno.ENOSPC, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.entry, self.filename, self.free_bytes, self.detail, self.cleaned_up))
 
 
 class StaleStagingWarning(UserWarning):
