@@ -1,4 +1,4 @@
-"""Command line: ``python -m pipeline run|plan|validate|stages|cache ...``.
+"""Command line: ``python -m pipeline run|plan|validate|stages|memory|cache ...``.
 
 Exit codes: 0 success, 1 a failure while working (I/O, corrupt data met mid-run),
 2 bad input (recipe, paths, arguments), 130 interrupted. Errors are one clear
@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from . import cache_cli
+from stores.errors import CorruptChunkError, StoreError
 
 from .errors import PipelineError
 
@@ -31,6 +35,19 @@ def _human(n: float | None) -> str:
     return f"{n:.1f} TiB"
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1024' -> 1024."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 2GiB, 500MB or 1048576, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a recipe field, e.g. --set stages.cache_q.bits=4 (repeatable)")
         if store:
             sp.add_argument("--store", help="store directory (overrides the recipe's store.path)")
+            sp.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
+                            help="store budget, e.g. 2GiB or 500MB (overrides store.max_bytes): least recently "
+                                 "used entries are evicted to make room, never pinned ones or ones in use")
 
     run = sub.add_parser("run", help="run a recipe")
     recipe_args(run)
@@ -52,11 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a recipe without running it")
     recipe_args(val, store=False)
     sub.add_parser("stages", help="list the registered stage types and their settings")
-    cache = sub.add_parser("cache", help="inspect the store")
-    csub = cache.add_subparsers(dest="cache_command", required=True)
-    ls = csub.add_parser("ls", help="list stored entries")
-    ls.add_argument("--store", help="store directory")
-    ls.add_argument("--json", action="store_true")
+    cache_cli.add_parser(sub)
     return p
 
 
@@ -68,7 +84,8 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
     from .storepath import resolve_store
 
     store = resolve_store(getattr(args, "store", None), recipe.store.path)
-    return RunContext(catalog=Catalog(store), output_dir=output, seed=recipe.seed, device=recipe.run.device,
+    max_bytes = getattr(args, "max_bytes", None) or recipe.store.max_bytes
+    return RunContext(catalog=Catalog(store, max_bytes=max_bytes), output_dir=output, seed=recipe.seed, device=recipe.run.device,
                       recipe_name=recipe.name, recipe_path=recipe.source, progress=Progress(quiet=quiet))
 
 
@@ -141,25 +158,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from stores.catalog import Catalog
-
-    from .storepath import resolve_store
-
-    store = resolve_store(args.store, None, create=False)
-    catalog = Catalog(store, create=False)
-    entries = sorted(catalog.entries(), key=lambda e: e.last_used or e.created, reverse=True)
-    if args.json:
-        print(json.dumps([{"fingerprint": e.fingerprint, "kind": e.kind, "size_bytes": e.size_bytes,
-                           "created": e.created, "last_used": e.last_used, "lineage": e.lineage}
-                          for e in entries], indent=2, default=str))
-        return EXIT_OK
-    print(f"store {store}: {len(entries)} entries, {_human(sum(e.size_bytes for e in entries))}")
-    for e in entries:
-        lin = e.lineage or {}
-        print(f"  {e.fingerprint[:12]}  {e.kind:<7} {_human(e.size_bytes):>10}  "
-              f"last used {e.last_used or e.created}  {lin.get('recipe', '?')}:{lin.get('stage', '?')} "
-              f"({lin.get('type', '?')})")
-    return EXIT_OK
+    return cache_cli.main(args)
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "stages": cmd_stages,
@@ -171,12 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        print("interrupted: partial store entries were discarded; rerun to resume", file=sys.stderr)
+        print("interrupted: nothing partial was committed to the store; an interrupted cache build resumes "
+              "from its verified chunks on the next run", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except CorruptChunkError as exc:  # data went bad on disk while working: not the user's input
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(f"error: {exc}\n(`python -m pipeline cache verify` lists every damaged chunk; "
+              "`cache repair ENTRY` recomputes only those)", file=sys.stderr)
+        return EXIT_FAILED
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
-        kind = "error" if isinstance(exc, PipelineError) else type(exc).__name__
+        kind = "error" if isinstance(exc, (PipelineError, StoreError)) else type(exc).__name__
         print(f"{kind}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as exc:

@@ -59,6 +59,7 @@ class Runner:
         self.fingerprints: dict[str, str] = {}
         self._outputs: dict[str, Any] = {}
         self.reports: dict[str, StageReport] = {}
+        self._held: list[Any] = []  # catalog "in use" handles of entries this run reads
         self._resolve()
 
     # ----------------------------------------------------------------- before work
@@ -123,15 +124,19 @@ class Runner:
         fp = self.fingerprints[name]
         report = StageReport(name, stage.type_name, stage.kind, fp, "computed")
         start = time.perf_counter()
-        if stage.cacheable and is_cacheable(fp) and (entry := self.ctx.catalog.lookup(fp)) is not None:
-            value = stage.load(self.ctx, entry, name)
+        held = self.ctx.catalog.try_use(fp) if stage.cacheable and is_cacheable(fp) else None
+        if held is not None:
+            self._held.append(held)  # in use for the whole run: budget eviction leaves it alone
+            value = stage.load(self.ctx, held.entry, name)
             report.status = "reused"
-            self.ctx.progress.log(f"[{name}] reusing stored {stage.kind} {fp[:12]} ({entry.describe()})")
+            self.ctx.progress.log(f"[{name}] reusing stored {stage.kind} {fp[:12]} ({held.entry.describe()})")
         else:
             inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
             start = time.perf_counter()  # exclude the inputs' own time
             if stage.cacheable:
-                value, report.bytes_written = self._build(name, stage, fp, inputs)
+                value, report.bytes_written, reused = self._build(name, stage, fp, inputs)
+                if reused:
+                    report.status = "reused"
             else:
                 value = stage.run(self.ctx, inputs, name)
             if stage.kind == RESULT and isinstance(value, dict):
@@ -142,7 +147,8 @@ class Runner:
         self._outputs[name] = value
         return value
 
-    def _build(self, name: str, stage: Any, fp: str, inputs: dict[str, Any]) -> tuple[Any, int]:
+    def _build(self, name: str, stage: Any, fp: str, inputs: dict[str, Any]) -> tuple[Any, int, bool]:
+        """(value, bytes written, reused): build into staging and commit, or take what another run built."""
         lineage = {
             "recipe": self.recipe.name,
             "recipe_file": self.recipe.source,
@@ -162,18 +168,41 @@ class Runner:
             size = sum(f.stat().st_size for f in Path(tmp.name).rglob("*") if f.is_file())
             now = datetime.now(timezone.utc)
             entry = Entry(fp, Path(tmp.name), stage.kind, lineage, now, now, size, {"files": []})
-            return stage.load(self.ctx, entry, name), size
-        self.ctx.progress.log(f"[{name}] computing {stage.kind} {fp[:12]}")
-        with self.ctx.catalog.stage(fp, stage.kind, lineage) as staging:
-            extra = stage.build(self.ctx, inputs, staging.path, name)
-            entry = staging.commit(extra)
-        return stage.load(self.ctx, entry, name), entry.size_bytes
+            return stage.load(self.ctx, entry, name), size, False
+
+        def waiting(holder: Any) -> None:
+            who = f"pid {holder.pid} on {holder.host}" if holder is not None else "another process"
+            self.ctx.progress.log(f"[{name}] waiting: {who} is building {stage.kind} {fp[:12]}; "
+                                  "it will be reused when done")
+
+        estimate = stage.estimate_bytes(self.specs[name])
+        with self.ctx.catalog.stage(fp, stage.kind, lineage, resume=stage.resumable, estimate_bytes=estimate,
+                                    on_wait=waiting) as staging:
+            if staging.existing is not None:
+                entry, reused = staging.existing, True
+                self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
+            else:
+                self.ctx.progress.log(f"[{name}] computing {stage.kind} {fp[:12]}"
+                                      + (" (resuming an interrupted build)" if staging.resumed else ""))
+                extra = stage.build(self.ctx, inputs, staging.path, name)
+                entry, reused = staging.commit(extra), False
+            held = self.ctx.catalog.use(fp)  # inside the block, so nothing evicts it in between
+        self._held.append(held)
+        return stage.load(self.ctx, held.entry, name), 0 if reused else entry.size_bytes, reused
+
+    def release(self) -> None:
+        """Let go of the entries this run was reading (they become evictable again)."""
+        while self._held:
+            self._held.pop().release()
 
     def run(self) -> list[StageReport]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            for target in self.graph.targets:
-                self.output(target)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("default")
+                for target in self.graph.targets:
+                    self.output(target)
+        finally:
+            self.release()
         # Stream stages did their work when pulled; upstream of a reused entry they never ran.
         for name in self.graph.order:
             if name not in self.graph.needed:

@@ -35,6 +35,8 @@ class Stage(BaseModel):
     # config field -> kind of stage it must name; a None value means "not connected"
     inputs: ClassVar[dict[str, str]] = {}
     cacheable: ClassVar[bool] = False
+    # build() can continue a staging directory an interrupted build left behind
+    resumable: ClassVar[bool] = False
     # config fields that never change the output (thread counts, prefetch depth, progress)
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset()
 

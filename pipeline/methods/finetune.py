@@ -6,6 +6,11 @@ batches come from differs, chosen by ``mode``:
 - ``single_stage``: augmented images -> frozen bottom (no grad) -> top, every epoch;
 - ``two_stage``: cached, dequantized, feature-augmented maps -> top.
 Both evaluate the same function (bottom then top) on un-augmented data.
+
+``method`` decides how the top trains (``pipeline.methods.adapters``): vanilla (every
+parameter of the top), the FT-Last / FT-Norm+Last / FT-Full baselines, MobileTL or TinyTL.
+It is applied to the top, after the cut, so every method trains from a cache as well as
+from images. Each trainer logs its training-memory footprint (``pipeline.models.memory``).
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..errors import StageError
+from ..models.memory import Footprint, footprint
 from ..models.weights import load_weights
-from ..models.zoo import replace_classifier, split_at
+from ..models.zoo import BlockNet, TopNet, feature_shape, replace_classifier, split_at
 from ..ops.batching import rechunk
 from ..registry import register
 from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage
-from ..stages.forward import check_cut
 from ..stream import Stream
+from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
 from .trainer import TrainConfig, evaluate, train
 
 
@@ -60,6 +66,7 @@ class Finetune(Stage):
     type_name: ClassVar[str] = "finetune"
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"memory_report"})
 
     model: str
     images: str | None = Field(None, description="image stream (single_stage)")
@@ -69,7 +76,15 @@ class Finetune(Stage):
     batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(256, ge=1)
     train: TrainConfig = TrainConfig(epochs=10)
+    method: MethodConfig = Field(DEFAULT_METHOD, description="vanilla | ft_full | ft_last | ft_norm_last | "
+                                 "mobiletl {variant} | tinytl {mode}: how the top trains")
+    memory_report: bool = Field(True, description="meter one training step and log the footprint")
     seed: int = 0
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_shorthand(cls, value: Any) -> Any:
+        return method_shorthand(value)
 
     def input_refs(self) -> dict[str, str]:
         data = "features" if self.mode == "two_stage" else "images"
@@ -95,11 +110,67 @@ class Finetune(Stage):
             if self.train_last_blocks is None:
                 raise StageError("single_stage needs train_last_blocks (the number of top blocks to train)")
             n = self.train_last_blocks
+        from ..stages.forward import check_cut  # here, not at import: pipeline.stages imports this module
+
         check_cut(n, model)
         return n
 
+    def _arch(self, model: Spec) -> Any:
+        from ..stages.model import ArchConfig
+
+        m = model.meta
+        return ArchConfig(m["arch"], model.num_classes, m["width_mult"], m["small_input"], m["resolution"])
+
+    def _top_input_shape(self, inputs: dict[str, Spec], net: BlockNet, n: int) -> tuple[int, int, int]:
+        """(C, H, W) at the cut: the cached features' shape, or the bottom's output for the images."""
+        if self.mode == "two_stage":
+            c, h, w = inputs["features"].meta["cut"]["feature_shape"]
+            return int(c), int(h), int(w)
+        x = inputs["images"].split("train", stage=self.type_name).fields.get("x")
+        if x is None or len(x.shape) != 3:
+            raise StageError(f"`images: {self.images}` must carry image tensors 'x' of shape (C,H,W), "
+                             f"found {x}")
+        return feature_shape(net, n, int(x.shape[-1]))
+
+    def prepare(self, net: BlockNet, n: int, num_classes: int,
+                top_input_shape: tuple[int, int, int]) -> tuple[torch.nn.Module, TopNet, Adapted]:
+        """(frozen bottom, top made trainable by ``method``, what the method did), from a fresh ``net``."""
+        replace_classifier(net, num_classes)
+        bottom, top = split_at(net, n)
+        for p in bottom.parameters():
+            p.requires_grad_(False)
+        adapted = apply_method(self.method, net.arch, list(net.blocks), top, n, top_input_shape)
+        return bottom, top, adapted
+
+    def _footprint(self, bottom: torch.nn.Module, top: TopNet, adapted: Adapted, num_classes: int,
+                   top_input_shape: tuple[int, int, int], measure: bool) -> Footprint:
+        frozen = 0
+        if self.mode == "single_stage":  # the frozen bottom's weights sit in memory too
+            frozen = sum(t.numel() * t.element_size() for t in [*bottom.parameters(), *bottom.buffers()])
+        return footprint(top, (self.batch_size, *top_input_shape), num_classes=num_classes,
+                         optimizer=self.train.optimizer, momentum=self.train.momentum, measure=measure,
+                         frozen_bytes=frozen, label=f"{adapted.method}, {self.mode}", seed=self.seed)
+
+    def footprint_from_specs(self, specs: dict[str, Spec], ctx: Any, *, measure: bool = True) -> Footprint:
+        """The training-memory footprint of this trainer from resolved specs (random weights: memory
+        does not depend on their values). Used by ``pipeline.models.memory.memory_report``."""
+        refs = self.input_refs()
+        inputs = {field: specs[ref] for field, ref in refs.items()}
+        n = self._cut(inputs, ctx)
+        data = inputs["features" if self.mode == "two_stage" else "images"]
+        torch.manual_seed(self.seed)
+        net = self._arch(inputs["model"]).build()
+        shape = self._top_input_shape(inputs, net, n)
+        bottom, top, adapted = self.prepare(net, n, data.num_classes, shape)
+        fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure)
+        fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
+        return fp
+
     def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
-        self._cut(inputs, ctx)
+        n = self._cut(inputs, ctx)
+        if self.method != DEFAULT_METHOD:
+            blocks = list(self._arch(inputs["model"]).build().blocks)
+            check_method(self.method, inputs["model"].meta["arch"], blocks, n)
         data = inputs["features" if self.mode == "two_stage" else "images"]
         for split in ("train", "val"):
             data.split(split, stage=self.type_name)
@@ -109,15 +180,21 @@ class Finetune(Stage):
         torch.manual_seed(self.seed)
         model_value = inputs["model"]
         stream: Stream = inputs["features" if self.mode == "two_stage" else "images"]
-        n = self._cut({"model": model_value.spec, **{k: v.spec for k, v in inputs.items() if k != "model"}}, ctx)
+        specs = {"model": model_value.spec, **{k: v.spec for k, v in inputs.items() if k != "model"}}
+        n = self._cut(specs, ctx)
         net = model_value.build()
-        replace_classifier(net, stream.spec.num_classes)
-        bottom, top = split_at(net, n)
-        for p in bottom.parameters():
-            p.requires_grad_(False)
+        shape = self._top_input_shape(specs, net, n)
+        bottom, top, adapted = self.prepare(net, n, stream.spec.num_classes, shape)
         trained = top if self.mode == "two_stage" else FrozenBottomNet(bottom, top)
         device = ctx.torch_device
         trained.to(device)
+        fp = None
+        if self.memory_report:
+            try:
+                fp = self._footprint(bottom, top, adapted, stream.spec.num_classes, shape, measure=True)
+                ctx.progress.log(f"[{name}] {fp.summary()}")
+            except (RuntimeError, ValueError) as exc:  # e.g. train-mode BN on a batch of one 1x1 map
+                ctx.progress.log(f"[{name}] memory meter skipped: {exc}")
 
         def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             batches = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
@@ -165,6 +242,8 @@ class Finetune(Stage):
             "mode": self.mode,
             "train_last_blocks": n,
             "trainable_parameters": sum(p.numel() for p in params),
+            "method": adapted.method,
+            **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,
             "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
         }

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stores.h5_entry import H5Reader, H5Writer
+from stores.throttle import ThrottledZarrStore
 from stores.zarr_entry import ArraySpec, ZarrReader, ZarrWriter
 
 from ..spec import FieldSpec, Spec, SplitSpec
@@ -57,9 +59,9 @@ def chunk_samples_for(spec: Spec, chunk_bytes: int) -> int:
 class _BackgroundWriter:
     """Runs ``writer.write`` on a thread with a bounded queue; errors surface on the caller."""
 
-    def __init__(self, writer: ZarrWriter, depth: int = 4) -> None:
+    def __init__(self, writer: Any, depth: int = 4) -> None:
         self.writer = writer
-        self.q: queue.Queue[tuple[str, dict[str, np.ndarray]] | None] = queue.Queue(maxsize=depth)
+        self.q: queue.Queue[tuple[str, int, dict[str, np.ndarray]] | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._work, name="cache-writer", daemon=True)
         self.thread.start()
@@ -67,15 +69,19 @@ class _BackgroundWriter:
     def _work(self) -> None:
         while (item := self.q.get()) is not None:
             if self.error is None:
+                group, start, arrays = item
                 try:
-                    self.writer.write(*item)
+                    if hasattr(self.writer, "write_at"):
+                        self.writer.write_at(group, start, arrays)
+                    else:
+                        self.writer.write(group, arrays)
                 except BaseException as exc:  # reported by put()/finish()
                     self.error = exc
 
-    def put(self, group: str, arrays: dict[str, np.ndarray]) -> None:
+    def put(self, group: str, start: int, arrays: dict[str, np.ndarray]) -> None:
         if self.error is not None:
             raise self.error
-        self.q.put((group, arrays))
+        self.q.put((group, start, arrays))
 
     def finish(self) -> None:
         self.q.put(None)
@@ -84,35 +90,86 @@ class _BackgroundWriter:
             raise self.error
 
 
-def write_stream(stream: Stream, path: Path, *, chunk_bytes: int, compressor: str, level: int,
-                 attrs: dict[str, Any], progress: Any = None) -> dict[str, Any]:
+ZARR_DIR, H5_FILE = "data.zarr", "entry.h5"
+
+
+def write_stream(stream: Stream, entry_dir: Path, *, chunk_bytes: int, compressor: str, level: int,
+                 attrs: dict[str, Any], fmt: str = "zarr", progress: Any = None,
+                 log: Any = None) -> dict[str, Any]:
+    """Write every split of ``stream`` into ``entry_dir`` (zarr v3 ``data.zarr`` or HDF5 ``entry.h5``).
+
+    A zarr build resumes: chunks a killed or interrupted build already wrote (and that
+    still verify) are kept, and the stream is reopened at the first missing sample, so
+    upstream work (decode, frozen forward) is not redone for them. The result is
+    bit-identical to an uninterrupted build because chunks are a pure function of the
+    samples and the codec. HDF5 files are not resumable and restart from scratch.
+    """
     spec = stream.spec
     chunk = chunk_samples_for(spec, chunk_bytes)
     arrays = {f"{split}/{name}": ArraySpec(tuple(f.shape), f.dtype)
               for split, s in spec.splits.items() for name, f in s.fields.items()}
     counts = {split: s.num_samples for split, s in spec.splits.items()}
-    writer = ZarrWriter(path, arrays, counts, chunk, {**attrs, SPEC_ATTR: spec_to_json(spec)},
-                        compressor=compressor, level=level)
+    attrs = {**attrs, SPEC_ATTR: spec_to_json(spec)}
+    writer: Any
+    if fmt == "hdf5":
+        leftover = entry_dir / H5_FILE
+        if leftover.exists():
+            leftover.unlink()
+        writer = H5Writer(entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level)
+    else:
+        # "wipe": a leftover written with other chunking/codec settings is rebuilt, never mixed in.
+        writer = ZarrWriter(entry_dir / ZARR_DIR, arrays, counts, chunk, attrs, compressor=compressor,
+                            level=level, resume=True, on_mismatch="wipe")
+    done = {split: writer.resume_samples(split) if fmt == "zarr" else 0 for split in spec.splits}
+    if any(done.values()) and log is not None:
+        kept = ", ".join(f"{split} {n}/{counts[split]}" for split, n in done.items())
+        log(f"resuming an interrupted build: kept verified chunks ({kept} samples)")
+    if progress is not None:
+        progress.update(sum(done.values()))
     background = _BackgroundWriter(writer)
     try:
         for split in spec.splits:
-            for batch in stream.open(split, epoch=0, shuffle=False):
-                background.put(split, {k: v.detach().cpu().numpy() for k, v in batch.items()})
+            if done[split] >= counts[split]:
+                continue
+            position = done[split]
+            for batch in stream.open(split, epoch=0, shuffle=False, start=position):
+                n = len(next(iter(batch.values())))
+                background.put(split, position, {k: v.detach().cpu().numpy() for k, v in batch.items()})
+                position += n
                 if progress is not None:
-                    progress.update(len(next(iter(batch.values()))))
+                    progress.update(n)
     finally:
         background.finish()
     writer.close()
-    return {"chunk_samples": chunk, "compressor": compressor, "level": level}
+    return {"chunk_samples": chunk, "compressor": compressor, "level": level, "format": fmt,
+            "resumed_samples": sum(done.values())}
+
+
+def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
+    """The reader for a committed cache entry, whichever backend wrote it.
+
+    ``throttle`` names a slow-storage profile (``sdcard``, ``emmc``, ``ssd``) to read
+    through the simulator: for benchmarks and tests of prefetching, never for real runs.
+    """
+    if (entry_dir / H5_FILE).is_file():
+        if throttle is not None:
+            raise ValueError(f"read throttling is only supported for zarr entries; {entry_dir} is HDF5")
+        return H5Reader(entry_dir / H5_FILE)
+    store = None
+    if throttle is not None:
+        store = ThrottledZarrStore(entry_dir / ZARR_DIR, throttle, read_only=True)
+    return ZarrReader(entry_dir / ZARR_DIR, zarr_store=store)
 
 
 class StoredStream(Stream):
     """A committed cache entry read as a stream."""
 
     def __init__(self, path: Path, *, size_bytes: int = 0, prefetch_depth: int = 2,
-                 window_chunks: int = 4) -> None:
+                 window_chunks: int = 4, throttle: str | None = None, hold: Any = None) -> None:
         self.path = Path(path)
-        self.reader = ZarrReader(self.path)
+        self.reader = open_entry_reader(self.path, throttle=throttle)
+        # A catalog "in use" handle: while this stream exists the entry cannot be evicted.
+        self.hold = hold
         self.spec = spec_from_json(self.reader.attrs[SPEC_ATTR])
         self.size_bytes = size_bytes
         self.prefetch_depth = prefetch_depth

@@ -6,5 +6,6 @@ Dataflow, in recipe order:
   backbone / pretrain provide the model the forward and the trainer share.
 """
 
-from . import cache, decode, feature_aug, forward, model, quantize, sources, split, streamops  # noqa: F401
 from ..methods import finetune, pretrain  # noqa: F401
+from ..methods.mixed_precision import stages as mixed_precision_stages  # noqa: F401,E402
+from . import cache, decode, feature_aug, forward, model, quantize, sources, split, streamops  # noqa: F401

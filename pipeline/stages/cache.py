@@ -5,51 +5,79 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..ops.cache import StoredStream, chunk_samples_for, write_stream
 from ..registry import register
 from ..spec import STREAM, Spec
 from ..stage import Stage
 
+# Lossless codecs each backend has; the first is its default.
+COMPRESSORS = {"zarr": ("zstd", "blosc", "none"), "hdf5": ("gzip", "lzf", "none")}
+LEVELS = {"zstd": (1, 22), "blosc": (0, 9), "gzip": (0, 9)}
+
 
 @register
 class Cache(Stage):
-    """Write-through to the store as sample-chunked zarr v3; later runs read it without upstream work."""
+    """Write-through to the store as sample-chunked zarr v3 (or HDF5); later runs read it without upstream work."""
 
     type_name: ClassVar[str] = "cache"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
     cacheable: ClassVar[bool] = True
-    # Reading knobs change the order samples are met in, never the stored content.
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "window_chunks"})
+    resumable: ClassVar[bool] = True
+    # Reading knobs change the order or speed samples are met at, never the stored content.
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "window_chunks", "read_through"})
 
     input: str
+    format: Literal["zarr", "hdf5"] = "zarr"
     chunk_bytes: int = Field(1 << 20, ge=1024, description="target bytes per chunk (~1 MiB suits SD cards)")
-    compressor: Literal["zstd", "blosc", "none"] = "zstd"
+    compressor: Literal["zstd", "blosc", "gzip", "lzf", "none"] | None = Field(
+        None, description="lossless codec on top of quantization; default zstd (zarr) / gzip (hdf5)")
     level: int = Field(3, ge=0, le=22)
     prefetch: int = Field(2, ge=0, description="chunks read ahead while training")
-    window_chunks: int = Field(4, ge=1, description="shuffle window in chunks: larger = more random")
+    window_chunks: int = Field(4, ge=1, description="shuffle window in chunks: larger = more random, more memory")
+    read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
+        None, description="simulate slow storage when reading (benchmarks, tests); zarr only")
+
+    @model_validator(mode="after")
+    def _codec_fits_backend(self) -> Cache:
+        codec = self.codec
+        if codec not in COMPRESSORS[self.format]:
+            raise ValueError(f"compressor {codec!r} is not available for format {self.format!r}; "
+                             f"expected one of {list(COMPRESSORS[self.format])}")
+        lo, hi = LEVELS.get(codec, (0, 22))
+        if codec in LEVELS and not lo <= self.level <= hi:
+            raise ValueError(f"level {self.level} is out of range for {codec}: expected {lo}..{hi}")
+        if self.read_through is not None and self.format != "zarr":
+            raise ValueError("read_through (slow-storage simulation) is only supported with format: zarr")
+        return self
+
+    @property
+    def codec(self) -> str:
+        return self.compressor or COMPRESSORS[self.format][0]
 
     def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
         return inputs["input"]
 
     def estimate_bytes(self, spec: Spec) -> int | None:
+        # Before the lossless codec: an upper bound, which is what a budget check needs.
         return sum(s.num_samples * s.sample_bytes() for s in spec.splits.values())
 
     def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
         stream = inputs["input"]
         total = sum(s.num_samples for s in stream.spec.splits.values())
+        # Lineage holds no timestamps: a resumed build must be bit-identical to an uninterrupted one.
         lineage = {"stage": name, "fingerprint": ctx.fingerprints.get(name), "recipe": ctx.recipe_name,
                    "meta": dict(stream.spec.meta)}
         with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
-            return write_stream(stream, staging / "data.zarr", chunk_bytes=self.chunk_bytes,
-                                compressor=self.compressor, level=self.level, attrs={"lineage": lineage},
-                                progress=bar)
+            return write_stream(stream, staging, chunk_bytes=self.chunk_bytes, compressor=self.codec,
+                                level=self.level, attrs={"lineage": lineage}, fmt=self.format, progress=bar,
+                                log=lambda msg: ctx.progress.log(f"[{name}] {msg}"))
 
     def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
-        return StoredStream(Path(entry.path) / "data.zarr", size_bytes=entry.size_bytes,
-                            prefetch_depth=self.prefetch, window_chunks=self.window_chunks)
+        return StoredStream(Path(entry.path), size_bytes=entry.size_bytes, prefetch_depth=self.prefetch,
+                            window_chunks=self.window_chunks, throttle=self.read_through)
 
     def chunk_samples(self, spec: Spec) -> int:
         return chunk_samples_for(spec, self.chunk_bytes)

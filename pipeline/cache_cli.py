@@ -1,0 +1,211 @@
+"""``python -m pipeline cache ls|du|verify|repair|gc|rm|pin|unpin``: look after the store.
+
+Entries are named by a fingerprint prefix (as `cache ls` prints it). Exit codes are for
+scripts: 0 fine, 1 a problem was found or an action failed (corrupt entry, entry in
+use), 2 bad input (unknown or ambiguous entry, missing store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from stores.catalog import Catalog, Entry, human_size
+
+from .errors import PipelineError, did_you_mean
+from .storepath import resolve_store
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class EntryRefError(PipelineError, ValueError):
+    """An entry reference matches no entry, or several."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    cache = sub.add_parser("cache", help="inspect and maintain the store")
+    csub = cache.add_subparsers(dest="cache_command", required=True)
+
+    def with_store(name: str, help: str, entry: bool = False, json_out: bool = False) -> argparse.ArgumentParser:
+        sp = csub.add_parser(name, help=help)
+        if entry:
+            sp.add_argument("entry", help="fingerprint (or a unique prefix of one), as `cache ls` shows")
+        sp.add_argument("--store", help="store directory (default: $ONDEVICE_TL_STORE or the per-user cache)")
+        if json_out:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    with_store("ls", "list entries: size, kind, producing recipe:stage, last use, pinned", json_out=True)
+    with_store("du", "disk usage: entries, staging (interrupted builds), budget", json_out=True)
+    verify = with_store("verify", "check every chunk's checksum and every file (all entries by default)",
+                        json_out=True)
+    verify.add_argument("entry", nargs="?", help="only this entry")
+    repair = with_store("repair", "recompute only the corrupt chunks of an entry", entry=True)
+    repair.add_argument("--recipe", help="the producing recipe (default: the file named in the entry's lineage)")
+    repair.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="overrides the producing run used (so the fingerprint matches)")
+    with_store("gc", "remove interrupted builds' staging, trash and stale locks")
+    rm = with_store("rm", "remove an entry", entry=True)
+    rm.add_argument("--force", action="store_true", help="remove even while another run reads it")
+    with_store("pin", "never evict this entry under a budget", entry=True)
+    with_store("unpin", "make a pinned entry evictable again", entry=True)
+
+
+def find_entry(catalog: Catalog, ref: str) -> Entry:
+    entries = catalog.entries()
+    hits = [e for e in entries if e.fingerprint.startswith(ref.lower())]
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        names = [e.fingerprint[:12] for e in entries]
+        raise EntryRefError(f"no entry {ref!r} in store {catalog.root}{did_you_mean(ref, names)}; "
+                            "`cache ls` lists the entries")
+    raise EntryRefError(f"entry {ref!r} is ambiguous in store {catalog.root}: it starts "
+                        f"{', '.join(e.fingerprint[:16] for e in hits)}; give more characters")
+
+
+def _when(moment: datetime) -> str:
+    delta = datetime.now(timezone.utc) - moment
+    seconds = int(delta.total_seconds())
+    if seconds < 90:
+        return f"{seconds}s ago"
+    if seconds < 5400:
+        return f"{seconds // 60}min ago"
+    if seconds < 48 * 3600:
+        return f"{seconds // 3600}h ago"
+    return f"{seconds // 86400}d ago"
+
+
+def _row(e: Entry, catalog: Catalog) -> dict[str, Any]:
+    lin = e.lineage or {}
+    return {"fingerprint": e.fingerprint, "kind": e.kind, "size_bytes": e.size_bytes,
+            "created": e.created.isoformat(), "last_used": e.last_used.isoformat(), "pinned": e.pinned,
+            "in_use": catalog.in_use(e.fingerprint), "recipe": lin.get("recipe"), "stage": lin.get("stage"),
+            "type": lin.get("type"), "recipe_file": lin.get("recipe_file")}
+
+
+def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
+    entries = sorted(catalog.entries(), key=lambda e: e.last_used, reverse=True)
+    if args.json:
+        print(json.dumps([_row(e, catalog) for e in entries], indent=2))
+        return EXIT_OK
+    budget = f" of {human_size(catalog.max_bytes)} budget" if catalog.max_bytes else ""
+    print(f"store {catalog.root}: {len(entries)} entries, {human_size(sum(e.size_bytes for e in entries))}{budget}")
+    for e in entries:
+        lin = e.lineage or {}
+        flags = ("  pinned" if e.pinned else "") + ("  in use" if catalog.in_use(e.fingerprint) else "")
+        print(f"  {e.fingerprint[:12]}  {e.kind:<7} {human_size(e.size_bytes):>10}  used {_when(e.last_used):>9}  "
+              f"{lin.get('recipe', '?')}:{lin.get('stage', '?')} ({lin.get('type', '?')}){flags}")
+    return EXIT_OK
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
+    entries = catalog.entries()
+    usage = {
+        "entries": len(entries),
+        "entries_bytes": sum(e.size_bytes for e in entries),
+        "pinned_bytes": sum(e.size_bytes for e in entries if e.pinned),
+        "staging_bytes": _dir_bytes(catalog.staging_dir),
+        "staging_builds": len(list(catalog.staging_dir.iterdir())) if catalog.staging_dir.is_dir() else 0,
+        "max_bytes": catalog.max_bytes,
+        "by_kind": {},
+    }
+    for e in entries:
+        usage["by_kind"][e.kind] = usage["by_kind"].get(e.kind, 0) + e.size_bytes
+    if args.json:
+        print(json.dumps(usage, indent=2))
+        return EXIT_OK
+    print(f"store {catalog.root}")
+    print(f"  entries  {human_size(usage['entries_bytes']):>10} in {usage['entries']} entries "
+          f"({human_size(usage['pinned_bytes'])} pinned)")
+    for kind, size in sorted(usage["by_kind"].items()):
+        print(f"    {kind:<7}{human_size(size):>10}")
+    print(f"  staging  {human_size(usage['staging_bytes']):>10} in {usage['staging_builds']} interrupted or running "
+          "builds (resumed by the next run; `cache gc` frees them)")
+    if catalog.max_bytes:
+        print(f"  budget   {human_size(catalog.max_bytes):>10} "
+              f"({100 * usage['entries_bytes'] / catalog.max_bytes:.0f}% used)")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, catalog: Catalog) -> int:
+    targets = [find_entry(catalog, args.entry)] if args.entry else catalog.entries()
+    reports = [catalog.verify(e.fingerprint) for e in targets]
+    if args.json:
+        print(json.dumps([{"fingerprint": r.fingerprint, "ok": r.ok, "files_checked": r.files_checked,
+                           "chunks_checked": r.chunks_checked,
+                           "problems": [{"kind": p.kind, "array": p.array, "chunk": p.chunk, "message": p.message}
+                                        for p in r.problems]} for r in reports], indent=2))
+    else:
+        for r in reports:
+            print(r.describe())
+        bad = [r for r in reports if not r.ok]
+        print(f"{len(reports)} entries verified: {len(reports) - len(bad)} ok, {len(bad)} damaged"
+              + (" (repair: python -m pipeline cache repair ENTRY)" if bad else ""))
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
+
+
+def cmd_repair(args: argparse.Namespace, catalog: Catalog) -> int:
+    from .progress import Progress
+    from .repair import repair_entry
+
+    entry = find_entry(catalog, args.entry)
+    recipe = args.recipe or (entry.lineage or {}).get("recipe_file")
+    if not recipe or not Path(recipe).is_file():
+        raise EntryRefError(f"entry {entry.fingerprint[:12]} was produced by recipe file {recipe!r}, which is not "
+                            "available; pass --recipe FILE (with the --set overrides that run used)")
+    result = repair_entry(catalog, entry.fingerprint, recipe, overrides=args.overrides, progress=Progress())
+    chunks = sum(len(v) for v in result["rewritten"].values())
+    print(result["verify"].describe())
+    print(f"repaired {entry.fingerprint[:12]}: rewrote {chunks} chunks in {len(result['rewritten'])} arrays"
+          if chunks else f"entry {entry.fingerprint[:12]} had no corrupt chunks")
+    return EXIT_OK if result["verify"].ok else EXIT_FAILED
+
+
+def cmd_gc(args: argparse.Namespace, catalog: Catalog) -> int:
+    report = catalog.gc()
+    print(report.describe())
+    return EXIT_OK
+
+
+def cmd_rm(args: argparse.Namespace, catalog: Catalog) -> int:
+    from stores.errors import EntryInUseError
+
+    entry = find_entry(catalog, args.entry)
+    try:
+        catalog.remove(entry.fingerprint, force=args.force)
+    except EntryInUseError as exc:
+        print(f"error: {exc}")
+        return EXIT_FAILED
+    print(f"removed {entry.fingerprint[:12]} ({human_size(entry.size_bytes)})")
+    return EXIT_OK
+
+
+def cmd_pin(args: argparse.Namespace, catalog: Catalog) -> int:
+    entry = catalog.pin(find_entry(catalog, args.entry).fingerprint)
+    print(f"pinned {entry.fingerprint[:12]}: never evicted under a budget")
+    return EXIT_OK
+
+
+def cmd_unpin(args: argparse.Namespace, catalog: Catalog) -> int:
+    entry = find_entry(catalog, args.entry)
+    catalog.unpin(entry.fingerprint)
+    print(f"unpinned {entry.fingerprint[:12]}")
+    return EXIT_OK
+
+
+COMMANDS = {"ls": cmd_ls, "du": cmd_du, "verify": cmd_verify, "repair": cmd_repair, "gc": cmd_gc, "rm": cmd_rm,
+            "pin": cmd_pin, "unpin": cmd_unpin}
+
+
+def main(args: argparse.Namespace, max_bytes: int | None = None) -> int:
+    store = resolve_store(args.store, None, create=False)
+    catalog = Catalog(store, create=False, max_bytes=max_bytes)
+    return COMMANDS[args.cache_command](args, catalog)

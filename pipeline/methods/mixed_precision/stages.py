@@ -1,0 +1,224 @@
+"""Recipe stages of mixed-precision partitioning: the cut search, and a bf16 trainer for the top.
+
+``partition_search`` (cacheable, like ``pretrain``): fake-quantization robustness
+exploration with NSGA-II on the pretrained model's own task, then Definition 7's δ
+rule; the result (cut layer, per-layer precision, Pareto front, cost) is a stored,
+content-addressed JSON artifact, so any recipe with the same model, data and settings
+reuses it instead of searching again.
+
+``finetune_mixed``: the ``finetune`` stage with the top trained in bfloat16. Policy:
+fp32 master weights and optimizer state, bf16 compute through CPU autocast (matmuls
+and convolutions in bf16, reductions and the loss in fp32). Autocast's weight-cast
+cache is disabled because one autocast region spans many optimizer steps, and a
+cached bf16 copy would go stale after the first step. The int8 bottom is not part
+of this stage: it runs in ``frozen_forward`` with ``precision: int8`` and reaches the
+top through the feature cache, which is how mixed precision and Cache & Reuse combine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from ...errors import ModelError, StageError
+from ...registry import register
+from ...spec import MODEL, RESULT, STREAM, Spec
+from ...stage import Stage
+from ..finetune import Finetune
+from .fakequant import FakeQuantModel
+from .graph import CutPoint, LayerGraph, layer_graph
+from .search import SearchConfig, nsga2, robustness
+
+PARTITION_FILE = "partition.json"
+
+
+def candidate_cuts(lg: LayerGraph, granularity: str) -> dict[int, CutPoint]:
+    """Layers below -> the highest valid cut with exactly those layers below (block boundaries only
+    for ``granularity == "block"``, so the chosen cut can run as ``frozen_forward``)."""
+    cuts: dict[int, CutPoint] = {}
+    for cut in lg.cut_points():
+        if granularity == "block" and cut.train_last_blocks is None:
+            continue
+        cuts[len(cut.layers_below)] = cut  # later cuts (higher in the order) replace earlier ones
+    return cuts
+
+
+@register
+class PartitionSearch(Stage):
+    """Find the mixed-precision cut: NSGA-II over per-layer bits (fake quantization), then the δ rule."""
+
+    type_name: ClassVar[str] = "partition_search"
+    kind: ClassVar[str] = RESULT
+    inputs: ClassVar[dict[str, str]] = {"model": MODEL, "input": STREAM}
+    cacheable: ClassVar[bool] = True
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size"})
+
+    model: str = Field(..., description="the pretrained model, with the classifier of its own task")
+    input: str = Field(..., description="decoded images of the model's own classes (calibration, eval)")
+    bits: tuple[int, ...] = (4, 6, 8, 16)
+    initial_bits: tuple[int, ...] = (8, 16)
+    population: int = Field(32, ge=4)
+    generations: int = Field(20, ge=1)
+    min_samples: int = Field(64, ge=1, description="validation samples in the first generation")
+    max_samples: int = Field(512, ge=1, description="validation samples in the last generation and the front")
+    delta: float = Field(0.01, ge=0.0, lt=1.0, description="relative accuracy tolerance of Definition 7")
+    calibration_samples: int = Field(256, ge=1, description="samples that set activation ranges")
+    calibration_split: str = "train"
+    eval_split: str = "val"
+    cut_granularity: Literal["block", "layer"] = Field(
+        "block", description="block: only cuts frozen_forward can run; layer: every single-tensor cut")
+    batch_size: int = Field(256, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_bits(self) -> PartitionSearch:
+        if not self.bits or any(not 2 <= b <= 16 for b in self.bits) or len(set(self.bits)) != len(self.bits):
+            raise ValueError(f"bits must be distinct widths in 2..16, found {list(self.bits)}")
+        if not set(self.initial_bits) <= set(self.bits):
+            raise ValueError(f"initial_bits {list(self.initial_bits)} must be a subset of bits "
+                             f"{list(self.bits)}")
+        if self.min_samples > self.max_samples:
+            raise ValueError(f"min_samples ({self.min_samples}) must not exceed max_samples "
+                             f"({self.max_samples})")
+        return self
+
+    def _config(self) -> SearchConfig:
+        return SearchConfig(bits=tuple(sorted(self.bits)), initial_bits=tuple(self.initial_bits),
+                            population=self.population, generations=self.generations,
+                            min_samples=self.min_samples, max_samples=self.max_samples, delta=self.delta,
+                            seed=self.seed)
+
+    def _graph(self, model: Spec) -> LayerGraph:
+        from ...stages.model import ArchConfig
+
+        arch = ArchConfig(model.meta["arch"], model.num_classes, model.meta["width_mult"],
+                          model.meta["small_input"], model.meta["resolution"])
+        return layer_graph(arch.build())
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        data, model = inputs["input"], inputs["model"]
+        for split in {self.calibration_split, self.eval_split}:
+            field = data.split(split, stage=self.type_name).fields.get("x")
+            if field is None or len(field.shape) != 3:
+                raise StageError(f"expected decoded images 'x' of shape (C,H,W) in split {split!r} of "
+                                 f"`{self.input}`, found {field}")
+        if data.num_classes != model.num_classes:
+            raise StageError(f"the search measures `{self.model}` on its own task, so `{self.input}` must "
+                             f"have its {model.num_classes} classes; found {data.num_classes} (use images of "
+                             "the classes the model was pretrained on, not the transfer target's)")
+        lg = self._graph(model)  # fails here, before any work, if the model cannot be traced
+        cuts = candidate_cuts(lg, self.cut_granularity)
+        if not cuts:
+            raise StageError(f"{model.meta['arch']} has no valid {self.cut_granularity} cut below its "
+                             "classifier")
+        return Spec(RESULT, model.num_classes, meta={"arch": model.meta["arch"], "candidate_cuts": len(cuts),
+                                                     "layers": len(lg.layers)})
+
+    def _images(self, stream: Any, split: str, n: int, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys, have = [], [], 0
+        batches = stream.open(split, shuffle=shuffle, seed=self.seed)
+        try:
+            for batch in batches:
+                xs.append(batch["x"])
+                ys.append(batch["y"])
+                have += len(batch["y"])
+                if have >= n:
+                    break
+        finally:
+            batches.close()
+        if not xs:
+            raise StageError(f"split {split!r} of `{self.input}` is empty")
+        return torch.cat(xs)[:n], torch.cat(ys)[:n]
+
+    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+        torch.manual_seed(self.seed)
+        model_value = inputs["model"]
+        net = model_value.build().eval()
+        lg = layer_graph(net)
+        cuts = candidate_cuts(lg, self.cut_granularity)
+        layers = [layer for layer in lg.layers if layer != lg.classifier]
+        calib_x, _ = self._images(inputs["input"], self.calibration_split, self.calibration_samples, False)
+        x, y = self._images(inputs["input"], self.eval_split, self.max_samples, True)
+        if len(x) < self.max_samples:
+            ctx.progress.log(f"[{name}] {self.eval_split} has only {len(x)} samples (max_samples "
+                             f"{self.max_samples}); using all of them")
+        cfg = self._config()
+        cfg = SearchConfig(**{**cfg.__dict__, "max_samples": len(x),
+                              "min_samples": min(cfg.min_samples, len(x))})
+        fq = FakeQuantModel(net, layers, calib_x.split(self.batch_size))
+
+        def evaluate(bits: tuple[int, ...], samples: int) -> float:
+            fq.set_scheme(dict(zip(layers, bits, strict=True)))
+            return fq.accuracy(x[:samples], y[:samples], self.batch_size)
+
+        fq.set_scheme({})
+        float_accuracy = fq.accuracy(x, y, self.batch_size)
+        result = nsga2(evaluate, len(layers), sorted(cuts), cfg,
+                       log=lambda m: ctx.progress.log(f"[{name}] {m}"))
+        sel = result.selected
+        cut = cuts.get(sel.quantized_layers)
+        payload = {
+            "arch": getattr(net, "arch", type(net).__name__), "layers": layers, "classifier": lg.classifier,
+            "num_blocks": lg.num_blocks, "delta": self.delta, "cut_granularity": self.cut_granularity,
+            "float_accuracy": float_accuracy, "eval_samples": len(x),
+            "cuts": [{"node": c.node, "layer": c.layer, "layers_below": n,
+                      "train_last_blocks": c.train_last_blocks} for n, c in sorted(cuts.items())],
+            "cut_layer": cut.layer if cut else None, "cut_node": cut.node if cut else None,
+            # no cut within δ: nothing runs as int8 and every block trains
+            "train_last_blocks": cut.train_last_blocks if cut else lg.num_blocks,
+            "quantized_layers": sel.quantized_layers,
+            "precision": {layer: (f"int{b}" if i < sel.quantized_layers else "bf16")
+                          for i, (layer, b) in enumerate(zip(layers, sel.bits, strict=True))},
+            "robustness": robustness(result.front, layers, self.delta, cfg.bits),
+            "search": {"population": cfg.population, "generations": cfg.generations, "bits": list(cfg.bits),
+                       "min_samples": cfg.min_samples, "max_samples": cfg.max_samples},
+            **result.to_dict(),
+        }
+        (staging / PARTITION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
+        ctx.progress.log(f"[{name}] cut after {payload['cut_layer']} ({sel.quantized_layers}/{len(layers)} "
+                         f"layers int8, train_last_blocks {payload['train_last_blocks']}): acc "
+                         f"{sel.accuracy:.3f} vs "
+                         f"best {result.best_accuracy:.3f}, float {float_accuracy:.3f}; {result.evaluations} "
+                         f"evaluations in {result.seconds:.0f}s")
+        return {"cut_layer": payload["cut_layer"], "train_last_blocks": payload["train_last_blocks"],
+                "evaluations": result.evaluations}
+
+    def load(self, ctx: Any, entry: Any, name: str) -> dict[str, Any]:
+        path = Path(entry.path) / PARTITION_FILE
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"stage {name!r}: cannot read the stored partition {path}: {exc}") from None
+
+
+@register
+class FinetuneMixed(Finetune):
+    """``finetune`` with the top in bf16 (fp32 master weights + CPU autocast); fp32 = plain finetune."""
+
+    type_name: ClassVar[str] = "finetune_mixed"
+    inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
+
+    top_precision: Literal["bf16", "fp32"] = "bf16"
+
+    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        spec = super().resolve(inputs, ctx)
+        return Spec(RESULT, spec.num_classes, meta={**spec.meta, "top_precision": self.top_precision})
+
+    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+        device = ctx.torch_device.type
+        if self.top_precision == "bf16" and device != "cpu":
+            raise StageError(f"top_precision: bf16 is implemented with CPU autocast; run.device is "
+                             f"{ctx.device}")
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.top_precision == "bf16",
+                            cache_enabled=False):
+            metrics = super().run(ctx, inputs, name)
+        stream = inputs["features" if self.mode == "two_stage" else "images"]
+        cut = stream.spec.meta.get("cut") or {}
+        metrics.update(top_precision=self.top_precision, master_weights="fp32",
+                       bottom_precision=cut.get("precision", "fp32") if self.mode == "two_stage"
+                       else self.top_precision)
+        return metrics

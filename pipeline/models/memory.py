@@ -1,0 +1,436 @@
+"""Training-memory meter: what a training step keeps, per block and in total, two ways.
+
+*Analytic*, in the convention of MobileTL (Chiang et al., AAAI 2023, Sec. 3 and Table 1) and
+TinyTL (Cai et al., NeurIPS 2020, Sec. 2): backward needs
+
+- the input of every conv/linear layer whose weight is trained, at 32 bits (``dL/dW = g x^T``);
+- the input of every normalization layer whose scale is trained, or that normalizes with
+  batch statistics while a gradient flows through it (BN in train mode, GN, LN), at 32 bits;
+- a 1-bit mask for ReLU/ReLU6 (their derivative is a step function) and for dropout;
+- the input of Hard-Swish, sigmoid, Hard-sigmoid, SiLU at 32 bits (their derivatives need it),
+  and of a squeeze-and-excitation layer (its channel scaling multiplies by the input);
+- nothing for pooling, flatten, residual adds, upsampling, or layers no gradient reaches;
+- layers from ``pipeline.methods.layers`` say themselves (``activation_bits``): MobileTL's
+  shift-only BN keeps nothing, its sign-mask activations 1 bit, a frozen conv nothing;
+
+plus the weights (parameters and buffers), the gradients of trained parameters and the
+optimizer state (AdamW/Adam: two moments; SGD with momentum: one), all at 32 bits, and the
+softmax output the cross-entropy loss keeps.
+
+*Measured*: the bytes of every tensor PyTorch actually saves for backward during one real
+training step (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once and
+attributed to the block whose forward saved it first; storages of parameters and buffers
+(a conv saves its weight) are reported apart, since they are the weights, not extra memory.
+
+FLOPs: forward and backward of conv/linear layers (the multiply-adds that dominate; element-
+wise ops are not counted), analytically per block; the forward total is cross-checked by
+``torch.utils.flop_counter.FlopCounterMode`` on the same step. Its backward count is not used:
+in torch 2.x it counts a grouped (depthwise) convolution's backward as a dense one, ``groups``
+times too many FLOPs for MobileNet's depthwise layers.
+
+``memory_report(recipe, ctx)`` applies this to every ``finetune`` stage of a recipe; it is what
+``python -m pipeline memory RECIPE`` prints.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torchvision.ops import SqueezeExcitation
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from ..recipe import Recipe
+
+FLOAT_BITS = 32
+_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
+_MASK_ACTS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU)
+_FLOAT_ACTS = (nn.Hardswish, nn.Sigmoid, nn.Hardsigmoid, nn.SiLU, nn.GELU, nn.Tanh, nn.Mish, nn.ELU)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _trained(p: torch.Tensor | None) -> bool:
+    return p is not None and p.requires_grad
+
+
+def stored_bits(module: nn.Module, input_requires_grad: bool) -> tuple[int, str]:
+    """(bits kept per element of ``module``'s input for backward, why), by the rules of the module doc."""
+    own = getattr(module, "activation_bits", None)
+    if callable(own):
+        return int(own(input_requires_grad)), f"{type(module).__name__}.activation_bits"
+    weight = getattr(module, "weight", None)
+    if isinstance(module, (nn.modules.conv._ConvNd, nn.Linear)):
+        return (FLOAT_BITS, "weight trained") if _trained(weight) else (0, "weight frozen")
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if _trained(weight):
+            return FLOAT_BITS, "scale trained"
+        batch_stats = module.training or not module.track_running_stats
+        if batch_stats and input_requires_grad:
+            return FLOAT_BITS, "batch statistics in the gradient path"
+        return 0, "frozen scale and statistics"
+    if isinstance(module, _NORMS):
+        if _trained(weight) or input_requires_grad:
+            return FLOAT_BITS, "normalization by batch statistics"
+        return 0, "no gradient"
+    if isinstance(module, SqueezeExcitation):
+        if input_requires_grad or any(p.requires_grad for p in module.parameters()):
+            return FLOAT_BITS, "SE scales its input"
+        return 0, "no gradient"
+    if not input_requires_grad:
+        return 0, "no gradient"
+    if isinstance(module, _MASK_ACTS):
+        return 1, "step derivative: 1-bit mask"
+    if isinstance(module, _FLOAT_ACTS):
+        return FLOAT_BITS, "derivative needs the input"
+    if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+        return 1, "dropout mask"
+    return 0, "no activation needed"
+
+
+def layer_flops(module: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    """(forward, backward) FLOPs of a conv/linear layer: 2 per multiply-add; backward = input grad
+    (if a gradient flows into the layer) + weight grad (if the weight trains)."""
+    if isinstance(module, nn.Conv2d):
+        kh, kw = module.kernel_size
+        macs = out.numel() * (module.in_channels // module.groups) * kh * kw
+    elif isinstance(module, nn.Linear):
+        macs = out.numel() * module.in_features
+    else:
+        return 0, 0
+    fwd = 2 * macs
+    bwd = (2 * macs if inp.requires_grad else 0) + (2 * macs if _trained(module.weight) else 0)
+    return fwd, bwd
+
+
+@dataclass
+class LayerMemory:
+    name: str
+    type: str
+    group: str
+    input_shape: tuple[int, ...]
+    bits: int
+    bytes: int
+    reason: str
+    flops_forward: int = 0
+    flops_backward: int = 0
+
+
+@dataclass
+class GroupMemory:
+    """One block (or the head, or the loss) of the analysed network."""
+
+    name: str
+    activation_bytes: int = 0  # analytic
+    measured_bytes: int | None = None  # saved activation storages, first saved here
+    parameters: int = 0
+    trainable_parameters: int = 0
+    flops_forward: int = 0
+    flops_backward: int = 0
+
+
+@dataclass
+class Footprint:
+    """Training memory of one step of a module on ``input_shape`` (batch first)."""
+
+    input_shape: tuple[int, ...]
+    optimizer: str
+    groups: list[GroupMemory]
+    layers: list[LayerMemory]
+    parameter_bytes: int  # weights and buffers in memory (incl. ``frozen_bytes`` of a frozen bottom)
+    trainable_parameters: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # analytic
+    measured_bytes: int | None = None
+    measured_parameter_refs_bytes: int | None = None  # parameter storages referenced by saved tensors
+    flops_forward: int = 0
+    flops_backward: int = 0
+    measured_flops_forward: int | None = None
+    frozen_bytes: int = 0
+    label: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + gradients + optimizer state + analytic activations."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def total_measured_bytes(self) -> int | None:
+        if self.measured_bytes is None:
+            return None
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.measured_bytes
+
+    def as_dict(self, *, layers: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not layers:
+            d.pop("layers")
+        d["batch_size"] = self.batch_size
+        d["total_bytes"] = self.total_bytes
+        d["total_measured_bytes"] = self.total_measured_bytes
+        return d
+
+    def metrics(self) -> dict[str, Any]:
+        """Flat numbers for a trainer's metrics."""
+        return {
+            "memory_activation_bytes": self.activation_bytes,
+            "memory_activation_bytes_measured": self.measured_bytes,
+            "memory_parameter_bytes": self.parameter_bytes,
+            "memory_gradient_bytes": self.gradient_bytes,
+            "memory_optimizer_bytes": self.optimizer_bytes,
+            "memory_total_bytes": self.total_bytes,
+            "flops_forward": self.flops_forward,
+            "flops_backward": self.flops_backward,
+        }
+
+    def summary(self) -> str:
+        measured = "" if self.measured_bytes is None else f" / {human_bytes(self.measured_bytes)} measured"
+        return (f"training memory{f' ({self.label})' if self.label else ''}, batch {self.batch_size}: "
+                f"activations {human_bytes(self.activation_bytes)} analytic{measured}; "
+                f"weights {human_bytes(self.parameter_bytes)}, gradients {human_bytes(self.gradient_bytes)}, "
+                f"{self.optimizer} state {human_bytes(self.optimizer_bytes)}; "
+                f"total {human_bytes(self.total_bytes)}; "
+                f"{self.flops_forward / 1e6:.1f} MFLOPs forward, {self.flops_backward / 1e6:.1f} backward")
+
+    def table(self) -> str:
+        rows = [f"{'block':<12}{'activations':>14}{'measured':>14}{'params':>11}{'trained':>11}"
+                f"{'MFLOPs fwd':>12}{'bwd':>10}"]
+        for g in self.groups:
+            rows.append(f"{g.name:<12}{human_bytes(g.activation_bytes):>14}{human_bytes(g.measured_bytes):>14}"
+                        f"{g.parameters:>11,}{g.trainable_parameters:>11,}"
+                        f"{g.flops_forward / 1e6:>12.2f}{g.flops_backward / 1e6:>10.2f}")
+        rows.append(f"{'total':<12}{human_bytes(self.activation_bytes):>14}{human_bytes(self.measured_bytes):>14}"
+                    f"{sum(g.parameters for g in self.groups):>11,}{self.trainable_parameters:>11,}"
+                    f"{self.flops_forward / 1e6:>12.2f}{self.flops_backward / 1e6:>10.2f}")
+        rows.append(f"weights {human_bytes(self.parameter_bytes)} "
+                    f"(frozen bottom {human_bytes(self.frozen_bytes)})"
+                    f"  gradients {human_bytes(self.gradient_bytes)}  {self.optimizer} state "
+                    f"{human_bytes(self.optimizer_bytes)}  total {human_bytes(self.total_bytes)} analytic"
+                    + (f", {human_bytes(self.total_measured_bytes)} measured"
+                       if self.total_measured_bytes is not None else ""))
+        if self.measured_flops_forward is not None:
+            rows.append(f"forward FLOPs measured by FlopCounterMode: {self.measured_flops_forward / 1e6:.2f} M")
+        return "\n".join(rows)
+
+
+def block_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks a footprint is reported by: ``blocks.i`` of a BlockNet/TopNet, the head, else children."""
+    inner = getattr(model, "top", None)
+    prefix = ""
+    if isinstance(inner, nn.Module) and hasattr(inner, "blocks"):  # FrozenBottomNet: report its top
+        model, prefix = inner, "top."
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+        items = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+        groups = [(f"{prefix}blocks.{k}", m) for k, m in items]
+        head = getattr(model, "head", None)
+        if isinstance(head, nn.Module):
+            groups.append((f"{prefix}head", head))
+        return groups
+    children = list(model.named_children())
+    return children if children else [("model", model)]
+
+
+def _leaves(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Leaf modules, plus SE layers (their scaling multiply is not a module of its own)."""
+    for name, m in module.named_modules():
+        if isinstance(m, SqueezeExcitation) or not any(True for _ in m.children()):
+            yield name, m
+
+
+def _optimizer_slots(optimizer: str, momentum: float) -> int:
+    if optimizer in ("adam", "adamw"):
+        return 2
+    if optimizer == "sgd":
+        return 1 if momentum > 0 else 0
+    raise ValueError(f"unknown optimizer {optimizer!r}; expected adamw, adam or sgd")
+
+
+def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: int | None = None,
+              optimizer: str = "adamw", momentum: float = 0.9, measure: bool = True, frozen_bytes: int = 0,
+              label: str = "", seed: int = 0, input_requires_grad: bool = False) -> Footprint:
+    """Analytic (and, with ``measure``, measured) training memory of one step of ``model``.
+
+    Works on a deep copy in train mode (as the trainer runs it), so ``model``'s weights and
+    BN statistics are untouched. ``input_shape`` includes the batch size. A 2-D output is
+    trained with cross-entropy on random labels over ``num_classes`` (default: the output
+    width); any other output (a lone block) with ``sum()``, which keeps nothing.
+    ``frozen_bytes`` adds weights that sit in memory without training (a frozen bottom that
+    runs under no_grad). ``input_requires_grad`` meters a block as it sits inside a network
+    whose earlier layers train (MobileTL's block setting): a gradient flows out of its input.
+    """
+    work = copy.deepcopy(model)
+    work.train()
+    groups = block_groups(work)
+    path_of = {id(m): n for n, m in work.named_modules()}
+    full_group = {path_of[id(gmod)]: gname for gname, gmod in groups}
+    layers: list[LayerMemory] = []
+    handles = []
+
+    def group_for(path: str) -> str:
+        p = path
+        while True:
+            if p in full_group:
+                return full_group[p]
+            if not p:
+                return "other"
+            p = p.rpartition(".")[0]
+
+    def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+            return
+        inp = args[0]
+        bits, reason = stored_bits(module, inp.requires_grad)
+        fwd, bwd = layer_flops(module, inp, out)
+        path = path_of[id(module)]
+        layers.append(LayerMemory(path, type(module).__name__, group_for(path), tuple(inp.shape), bits,
+                                  (bits * inp.numel() + 7) // 8, reason, fwd, bwd))
+
+    for _name, leaf in _leaves(work):
+        handles.append(leaf.register_forward_hook(hook))
+
+    # --- measured: saved tensors, attributed to the group whose forward is running -------------
+    param_ptrs = {t.untyped_storage().data_ptr() for t in [*work.parameters(), *work.buffers()]}
+    current = ["input"]
+    seen: dict[int, tuple[str, int, bool]] = {}
+
+    def enter(name: str) -> Any:
+        def pre(_m: nn.Module, _args: Any) -> None:
+            current[0] = name
+        return pre
+
+    if measure:
+        for gname, gmod in groups:
+            handles.append(gmod.register_forward_pre_hook(enter(gname)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in seen:
+            seen[ptr] = (current[0], storage.nbytes(), ptr in param_ptrs)
+        return t
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*input_shape, generator=gen).to(next(work.parameters()).device)
+    x.requires_grad_(input_requires_grad)
+    flops_f = None
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        fwd_counter = FlopCounterMode(display=False)
+        hooks_ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.enable_grad():
+            if measure:
+                with hooks_ctx, fwd_counter:
+                    out = work(x)
+                    current[0] = "loss"
+                    if out.dim() == 2:
+                        k = num_classes or out.shape[-1]
+                        y = torch.randint(0, k, (out.shape[0],), generator=gen).to(out.device)
+                        loss = nn.functional.cross_entropy(out, y)
+                    else:
+                        loss = out.sum()
+            else:
+                out = work(x)
+            if measure:
+                flops_f = fwd_counter.get_total_flops()
+                if loss.requires_grad:
+                    loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+    by_group: dict[str, GroupMemory] = {g: GroupMemory(g) for g, _ in groups}
+    for layer in layers:
+        g = by_group.setdefault(layer.group, GroupMemory(layer.group))
+        g.activation_bytes += layer.bytes
+        g.flops_forward += layer.flops_forward
+        g.flops_backward += layer.flops_backward
+    trained_any = any(p.requires_grad for p in work.parameters())
+    # cross-entropy keeps its log-softmax output
+    loss_bytes = out.numel() * FLOAT_BITS // 8 if trained_any and out.dim() == 2 else 0
+    by_group["loss"] = GroupMemory("loss", activation_bytes=loss_bytes)
+    for gname, gmod in groups:
+        by_group[gname].parameters = sum(p.numel() for p in gmod.parameters())
+        by_group[gname].trainable_parameters = sum(p.numel() for p in gmod.parameters() if p.requires_grad)
+    measured = refs = None
+    if measure:
+        measured, refs = 0, 0
+        for g in by_group.values():
+            g.measured_bytes = 0
+        for gname, nbytes, is_param in seen.values():
+            if is_param:
+                refs += nbytes
+                continue
+            measured += nbytes
+            by_group.setdefault(gname, GroupMemory(gname, measured_bytes=0))
+            by_group[gname].measured_bytes = (by_group[gname].measured_bytes or 0) + nbytes
+    trainable = sum(p.numel() for p in work.parameters() if p.requires_grad)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*work.parameters(), *work.buffers()])
+    slots = _optimizer_slots(optimizer, momentum)
+    return Footprint(
+        input_shape=tuple(input_shape), optimizer=optimizer, groups=list(by_group.values()), layers=layers,
+        parameter_bytes=weight_bytes + frozen_bytes, trainable_parameters=trainable,
+        gradient_bytes=trainable * 4, optimizer_bytes=slots * trainable * 4,
+        activation_bytes=sum(g.activation_bytes for g in by_group.values()),
+        measured_bytes=measured, measured_parameter_refs_bytes=refs,
+        flops_forward=sum(layer.flops_forward for layer in layers),
+        flops_backward=sum(layer.flops_backward for layer in layers),
+        measured_flops_forward=flops_f, frozen_bytes=frozen_bytes,
+        label=label,
+    )
+
+
+# --------------------------------------------------------------------------------- recipes
+def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None = None,
+                  measure: bool = True) -> tuple[str, dict[str, Any]]:
+    """Training-memory footprint of every ``finetune`` stage of ``recipe`` (or of ``stages``).
+
+    Resolves the recipe (specs only: no backbone is pretrained, no cache built; weights are
+    random because memory does not depend on their values), builds each trainer's top as its
+    ``method`` makes it, and meters one training step at the stage's batch size. Returns the
+    text ``python -m pipeline memory`` prints and a JSON-able dict ``{"recipe", "stages":
+    {name: footprint}}``.
+    """
+    from ..errors import StageError
+    from ..graph import Graph
+    from ..methods.finetune import Finetune
+    from ..runner import Runner
+
+    graph = Graph(recipe)  # names first: a wrong name fails before any dataset is indexed
+    names = [n for n in graph.order if n in graph.needed and isinstance(recipe.stages[n], Finetune)]
+    if stages is not None:
+        unknown = [s for s in stages if s not in names]
+        if unknown:
+            raise StageError(f"memory: {unknown} are not finetune stages of {recipe.name}; "
+                             f"expected some of {names}")
+        names = [n for n in names if n in stages]
+    if not names:
+        raise StageError(f"memory: recipe {recipe.name} has no finetune stage among its targets")
+    runner = Runner(recipe, ctx)
+    text = [f"training memory of {recipe.name} ({recipe.source}), one step per trainer"]
+    out: dict[str, Any] = {"recipe": recipe.name, "stages": {}}
+    for name in names:
+        stage: Finetune = recipe.stages[name]  # type: ignore[assignment]
+        fp = stage.footprint_from_specs(runner.specs, ctx, measure=measure)
+        text += ["", f"[{name}] {fp.label}, input {tuple(fp.input_shape)}", fp.table()]
+        out["stages"][name] = fp.as_dict()
+    return "\n".join(text), out

@@ -1,0 +1,123 @@
+"""`cache ls|du|verify|repair|gc|rm|pin|unpin` and the store budget, on a real store built by a real run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from stores.catalog import Catalog
+from tests.test_cache_build import recipe
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("cachecli")
+    store = base / "store"
+    store.mkdir()
+    path = recipe(base, 300, name="cli")
+    assert main(["run", str(path), "--store", str(store), "--output", str(base / "run"), "--quiet"]) == 0
+    summary = json.loads((base / "run" / "summary.json").read_text())
+    fp = next(s["fingerprint"] for s in summary["stages"] if s["name"] == "cache")
+    return {"store": store, "recipe": path, "fp": fp, "base": base}
+
+
+def flip_a_byte(store: Path, fp: str) -> int:
+    """Damage the last chunk of train/x; returns its chunk index (the first key component after c/)."""
+    root = store / "entries" / fp / "data.zarr" / "train" / "x" / "c"
+    chunk = sorted((f for f in root.rglob("*") if f.is_file()), key=lambda f: int(f.relative_to(root).parts[0]))[-1]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    return int(chunk.relative_to(root).parts[0])
+
+
+def test_ls_du_json(built: dict, capsys: pytest.CaptureFixture) -> None:
+    store = str(built["store"])
+    assert main(["cache", "ls", "--store", store, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    row = next(r for r in rows if r["fingerprint"] == built["fp"])
+    assert row["stage"] == "cache" and row["recipe"] == "cli" and row["size_bytes"] > 0 and not row["pinned"]
+    assert main(["cache", "du", "--store", store, "--json"]) == 0
+    usage = json.loads(capsys.readouterr().out)
+    assert usage["entries"] == 1 and usage["entries_bytes"] == row["size_bytes"] and usage["staging_bytes"] == 0
+
+
+def test_verify_names_the_chunk_and_repair_restores_the_content(built: dict,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    store, fp = built["store"], built["fp"]
+    catalog = Catalog(store)
+    before = catalog.content_hash(fp)
+    index = flip_a_byte(store, fp)
+    assert main(["cache", "verify", "--store", str(store)]) == 1
+    out = capsys.readouterr().out
+    assert "train/x" in out and f"chunk {index}" in out and "1 damaged" in out, out
+    assert main(["cache", "repair", fp[:10], "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "rewrote 1 chunks" in out
+    assert main(["cache", "verify", fp[:10], "--store", str(store)]) == 0
+    assert catalog.content_hash(fp) == before  # recomputed bit for bit
+
+
+def test_corrupt_chunk_met_while_training_is_named(built: dict, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    import yaml
+
+    store, fp = built["store"], built["fp"]
+    flip_a_byte(store, fp)
+    data = yaml.safe_load(built["recipe"].read_text())
+    data["stages"]["model"]["num_classes"] = 4
+    data["stages"]["deq"] = {"type": "dequantize", "input": "cache"}
+    data["stages"]["top"] = {"type": "finetune", "model": "model", "features": "deq", "train": {"epochs": 1}}
+    data["targets"] = ["top"]
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["run", str(path), "--store", str(store), "--output", str(tmp_path / "o"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "corrupt chunk" in err and "train/x" in err and "cache repair" in err
+    assert main(["cache", "repair", fp, "--store", str(store)]) == 0
+
+
+def test_pin_unpin_rm_gc_and_bad_references(built: dict, capsys: pytest.CaptureFixture) -> None:
+    store, fp = str(built["store"]), built["fp"]
+    assert main(["cache", "pin", fp[:8], "--store", store]) == 0
+    assert Catalog(store).lookup(fp).pinned
+    assert main(["cache", "unpin", fp[:8], "--store", store]) == 0
+    assert not Catalog(store).lookup(fp).pinned
+    assert main(["cache", "gc", "--store", store]) == 0
+    assert main(["cache", "rm", "ffffffffff", "--store", store]) == 2
+    assert "no entry 'ffffffffff'" in capsys.readouterr().err
+    assert main(["cache", "ls", "--store", str(built["base"] / "missing")]) == 2
+
+
+def test_budget_too_small_fails_before_any_work(built: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    store = tmp_path / "small"
+    store.mkdir()
+    code = main(["run", str(built["recipe"]), "--store", str(store), "--max-bytes", "100KB",
+                 "--output", str(tmp_path / "o"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot make room" in err and "budget" in err and "MiB" in err
+    assert not list((store / "entries").iterdir()) and not list((store / "staging").iterdir())
+
+
+def test_budget_evicts_least_recently_used_but_never_pinned(built: dict, tmp_path: Path) -> None:
+    store = tmp_path / "evict"
+    store.mkdir()
+    first = recipe(tmp_path, 300, name="first")
+    second = recipe(tmp_path, 301, name="second")
+    assert main(["run", str(first), "--store", str(store), "--output", str(tmp_path / "a"), "--quiet"]) == 0
+    catalog = Catalog(store)
+    (old,) = catalog.entries()
+    # The second entry's estimate (pre-compression: x float32 + y + id per sample) plus half the first:
+    # it only fits once the least recently used entry is evicted.
+    estimate = 301 * (16 * 32 * 32 * 4 + 8 + 8)
+    budget = str(estimate + old.size_bytes // 2)
+    assert main(["run", str(second), "--store", str(store), "--max-bytes", budget,
+                 "--output", str(tmp_path / "b"), "--quiet"]) == 0
+    assert [e.lineage["recipe"] for e in Catalog(store).entries()] == ["second"]
+    catalog.pin(Catalog(store).entries()[0].fingerprint)
+    assert main(["run", str(first), "--store", str(store), "--max-bytes", budget,
+                 "--output", str(tmp_path / "c"), "--quiet"]) == 2  # cannot evict the pinned one
