@@ -162,11 +162,20 @@ def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
 
 
 class StoredStream(Stream):
-    """A committed cache entry read as a stream."""
+    """A committed cache entry read as a stream.
+
+    Reads are whole chunks (large and sequential, what SD cards and eMMC do well), run
+    ahead of the consumer on a background thread. Memory held by the reader is bounded:
+    at most ``prefetch_depth`` decoded chunks queued, fewer if ``prefetch_max_bytes``
+    says so, plus the chunk being decoded, plus the shuffle window of ``window_chunks``
+    chunks on training passes.
+    """
 
     def __init__(self, path: Path, *, size_bytes: int = 0, prefetch_depth: int = 2,
-                 window_chunks: int = 4, throttle: str | None = None, hold: Any = None) -> None:
+                 window_chunks: int = 4, throttle: str | None = None, hold: Any = None,
+                 prefetch_max_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.prefetch_max_bytes = prefetch_max_bytes
         self.reader = open_entry_reader(self.path, throttle=throttle)
         # A catalog "in use" handle: while this stream exists the entry cannot be evicted.
         self.hold = hold
@@ -178,6 +187,16 @@ class StoredStream(Stream):
 
     def stored_bytes(self) -> int:
         return self.size_bytes
+
+    def chunk_bytes(self, split: str) -> int:
+        """Decoded bytes of one chunk of ``split``: the unit of read-ahead memory."""
+        return self.reader.chunk_samples(split) * self.spec.splits[split].sample_bytes()
+
+    def read_ahead(self, split: str) -> int:
+        """Chunks queued ahead of the consumer: the depth, capped by the byte budget (at least 1)."""
+        if self.prefetch_max_bytes is None or self.prefetch_depth == 0:
+            return self.prefetch_depth
+        return max(1, min(self.prefetch_depth, self.prefetch_max_bytes // max(1, self.chunk_bytes(split))))
 
     def _chunks(self, split: str, order: np.ndarray) -> Iterator[Batch]:
         import time
@@ -201,7 +220,7 @@ class StoredStream(Stream):
         else:
             per = self.reader.chunk_samples(split)
             order = np.arange(start // per, n_chunks)
-        chunks = prefetch(self._chunks(split, order), self.prefetch_depth, name=f"read-{split}")
+        chunks = prefetch(self._chunks(split, order), self.read_ahead(split), name=f"read-{split}")
         if not shuffle:
             skip = start % self.reader.chunk_samples(split)
             for batch in chunks:

@@ -27,7 +27,8 @@ class Cache(Stage):
     cacheable: ClassVar[bool] = True
     resumable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "window_chunks", "read_through"})
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "prefetch_max_bytes", "window_chunks",
+                                                                  "read_through"})
 
     input: str
     format: Literal["zarr", "hdf5"] = "zarr"
@@ -36,6 +37,7 @@ class Cache(Stage):
         None, description="lossless codec on top of quantization; default zstd (zarr) / gzip (hdf5)")
     level: int = Field(3, ge=0, le=22)
     prefetch: int = Field(2, ge=0, description="chunks read ahead while training")
+    prefetch_max_bytes: int | None = Field(None, ge=1, description="cap on the bytes of chunks read ahead")
     window_chunks: int = Field(4, ge=1, description="shuffle window in chunks: larger = more random, more memory")
     read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
         None, description="simulate slow storage when reading (benchmarks, tests); zarr only")
@@ -77,7 +79,8 @@ class Cache(Stage):
 
     def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
         return StoredStream(Path(entry.path), size_bytes=entry.size_bytes, prefetch_depth=self.prefetch,
-                            window_chunks=self.window_chunks, throttle=self.read_through)
+                            window_chunks=self.window_chunks, throttle=self.read_through,
+                            prefetch_max_bytes=self.prefetch_max_bytes)
 
     def chunk_samples(self, spec: Spec) -> int:
         return chunk_samples_for(spec, self.chunk_bytes)

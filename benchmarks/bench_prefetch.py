@@ -1,0 +1,164 @@
+"""Epoch time reading a cache through a simulated SD card, with and without prefetch (issue: SD-card storage).
+
+A cache entry of float16 96x14x14 feature maps is written once with the real writer,
+then read for training (shuffled chunk order + window) through the slow-storage
+simulator (stores/throttle.py, profile ``sdcard``: 20 MB/s, 1.5 ms per read) while a
+consumer "computes" on every batch. Compute is modelled as accelerator time (a sleep
+of a fixed cost per batch), so the measurement is about overlap, not about how much
+CPU the decompression steals. Two settings:
+
+- I/O-bound:      compute per epoch < bytes / bandwidth
+- compute-bound:  compute per epoch > bytes / bandwidth
+
+Target: with prefetch, epoch <= 1.1 x max(compute, bytes / bandwidth); without
+prefetch the epoch is near the sum. Also: the reader's peak memory (tracemalloc:
+numpy/zarr buffers) stays within ``prefetch_max_bytes`` + the shuffle window + a
+small constant.
+
+Usage: python -m benchmarks.bench_prefetch [--samples 2048] [--profile sdcard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks._meta import write_result
+from pipeline.ops.batching import Batch, rechunk
+from pipeline.ops.cache import StoredStream, write_stream
+from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
+from pipeline.stream import Stream, StreamStats
+from stores.throttle import get_profile
+
+SHAPE = (96, 14, 14)
+
+
+class ArrayStream(Stream):
+    """Deterministic random feature maps, as a stage A would produce them."""
+
+    def __init__(self, samples: int) -> None:
+        fields = {"x": FieldSpec(SHAPE, "float16"), "y": FieldSpec((), "int64"), "id": FieldSpec((), "int64")}
+        self.spec = Spec(STREAM, 10, {"train": SplitSpec(samples, fields)}, {})
+        self.stats = StreamStats()
+        self.samples = samples
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(0)
+        for lo in range(start, self.samples, 256):
+            n = min(256, self.samples - lo)
+            x = (torch.rand((n, *SHAPE), generator=gen) * 6).to(torch.float16)
+            yield {"x": x, "y": torch.arange(lo, lo + n) % 10, "id": torch.arange(lo, lo + n)}
+
+
+def device_of(stream: StoredStream):  # noqa: ANN201
+    return stream.reader._zarr_store.device
+
+
+def epoch(stream: StoredStream, batch: int, compute_s: float, seed: int) -> tuple[float, int]:
+    """Seconds for one shuffled training pass, and the peak traced bytes during it."""
+    if getattr(stream.reader, "_zarr_store", None) is not None:
+        device_of(stream).reset_stats()
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    n = 0
+    for b in rechunk(stream.open("train", epoch=seed, shuffle=True, seed=seed), batch):
+        n += len(b["x"])
+        time.sleep(compute_s)  # the accelerator's time for this batch
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    assert n == stream.spec.splits["train"].num_samples
+    return seconds, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--profile", default="sdcard")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--window-chunks", type=int, default=2)
+    args = ap.parse_args()
+    profile = get_profile(args.profile)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="prefetch-") as tmp:
+        entry = Path(tmp)
+        write_stream(ArrayStream(args.samples), entry, chunk_bytes=args.chunk_bytes, compressor="zstd", level=3,
+                     attrs={})
+        stored = sum(f.stat().st_size for f in (entry / "data.zarr").rglob("c/**/*") if f.is_file())
+        # I/O time of one epoch = the simulated device's busy time (every get: chunk files of x, y
+        # and id, each with its latency), measured by reading once with nothing else to do.
+        probe = StoredStream(entry, throttle=args.profile, prefetch_depth=0, window_chunks=args.window_chunks)
+        chunks = probe.reader.num_chunks("train")
+        chunk_bytes = probe.chunk_bytes("train")
+        epoch(probe, args.batch, 0.0, seed=0)
+        io_s = device_of(probe).stats().read_busy_s
+        plain = StoredStream(entry, prefetch_depth=0, window_chunks=args.window_chunks)
+        epoch(plain, args.batch, 0.0, seed=0)
+        decode_s, _ = epoch(plain, args.batch, 0.0, seed=0)  # CPU: read from page cache + decompress
+        batches = -(-args.samples // args.batch)
+        max_bytes = args.depth * chunk_bytes
+        window_bytes = args.window_chunks * chunk_bytes
+        for setting, compute_total in (("io_bound", 0.35 * io_s), ("compute_bound", 1.6 * io_s)):
+            per_batch = compute_total / batches
+            measured = {}
+            for depth in (0, args.depth):
+                stream = StoredStream(entry, prefetch_depth=depth, window_chunks=args.window_chunks,
+                                      throttle=args.profile, prefetch_max_bytes=max_bytes)
+                epoch(stream, args.batch, per_batch, seed=0)  # warm: imports, allocator
+                seconds, peak = epoch(stream, args.batch, per_batch, seed=1)
+                measured[depth] = (seconds, peak)
+            bound = max(compute_total, io_s)
+            with_pf, without = measured[args.depth], measured[0]
+            row = {
+                "setting": setting,
+                "compute_s": compute_total,
+                "io_s_bytes_over_bandwidth": io_s,
+                "cpu_decode_s_unthrottled": decode_s,
+                "bound_max_s": bound,
+                "sum_s": compute_total + io_s,
+                "epoch_s_prefetch": with_pf[0],
+                "epoch_s_no_prefetch": without[0],
+                "prefetch_over_bound": with_pf[0] / bound,
+                "no_prefetch_over_sum": without[0] / (compute_total + io_s),
+                "speedup": without[0] / with_pf[0],
+                "peak_reader_bytes_prefetch": with_pf[1],
+                "reader_budget_bytes": max_bytes + window_bytes,
+                "peak_over_budget": with_pf[1] / (max_bytes + window_bytes),
+            }
+            rows.append(row)
+            print(f"{setting:<14} compute {compute_total:5.2f}s  io {io_s:5.2f}s  | prefetch {with_pf[0]:5.2f}s "
+                  f"({row['prefetch_over_bound']:.2f} x max)  no prefetch {without[0]:5.2f}s "
+                  f"({row['no_prefetch_over_sum']:.2f} x sum)  peak reader {with_pf[1] / 2**20:.1f} MiB "
+                  f"(budget {(max_bytes + window_bytes) / 2**20:.1f} MiB)")
+    targets = {
+        "prefetch_within_1.1x_of_max": all(r["prefetch_over_bound"] <= 1.1 for r in rows),
+        "reader_memory_within_budget_plus_constant": all(
+            r["peak_reader_bytes_prefetch"] <= r["reader_budget_bytes"] + 8 * 2**20 for r in rows),
+    }
+    path = write_result("prefetch_sdcard", {
+        "question": "epoch time through a simulated SD card, with vs without prefetch; reader memory",
+        "settings": {**vars(args), "profile_numbers": str(profile),
+                     "sample_shape": list(SHAPE), "dtype": "float16", "stored_bytes": stored, "chunks": chunks,
+                     "chunk_bytes_decoded": chunk_bytes,
+                     "compute_model": "sleep per batch (accelerator time), so CPU contention does not blur it"},
+        "rows": rows,
+        "targets": targets,
+    })
+    print(f"targets: {targets}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
