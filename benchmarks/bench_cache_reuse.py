@@ -36,21 +36,49 @@ def recipe(samples: int, n: int, bits: int, epochs: int, batch: int) -> dict:
         "name": f"bench-cache-reuse-n{n}",
         "seed": 0,
         "stages": {
-            "data": {"type": "synthetic", "num_samples": int(samples / 0.8) + 8, "num_classes": 10, "size": 224},
+            "data": {
+                "type": "synthetic",
+                "num_samples": int(samples / 0.8) + 8,
+                "num_classes": 10,
+                "size": 224,
+            },
             "split": {"type": "split", "input": "data", "val_fraction": 0.1, "test_fraction": 0.1},
             "model": {"type": "backbone", "arch": "mobilenet_v2", "num_classes": 10},
             "images": {"type": "decode", "input": "split", "resolution": 224, "batch_size": batch},
-            "aug_images": {"type": "decode", "input": "split", "resolution": 224, "batch_size": batch,
-                           "augment": {"crop_padding": 16, "hflip": 0.5}},
-            "features": {"type": "frozen_forward", "input": "images", "model": "model", "train_last_blocks": n},
+            "aug_images": {
+                "type": "decode",
+                "input": "split",
+                "resolution": 224,
+                "batch_size": batch,
+                "augment": {"crop_padding": 16, "hflip": 0.5},
+            },
+            "features": {
+                "type": "frozen_forward",
+                "input": "images",
+                "model": "model",
+                "train_last_blocks": n,
+            },
             "quantized": {"type": "quantize", "input": "features", "bits": bits},
             "cache": {"type": "cache", "input": "quantized"},
             "deq": {"type": "dequantize", "input": "cache"},
             "faug": {"type": "feature_aug", "input": "deq", "crop_padding": 1, "hflip": 0.5},
-            "two_stage": {"type": "finetune", "mode": "two_stage", "model": "model", "features": "faug",
-                          "batch_size": batch, "train": train},
-            "single_stage": {"type": "finetune", "mode": "single_stage", "model": "model", "images": "aug_images",
-                             "train_last_blocks": n, "batch_size": batch, "train": train},
+            "two_stage": {
+                "type": "finetune",
+                "mode": "two_stage",
+                "model": "model",
+                "features": "faug",
+                "batch_size": batch,
+                "train": train,
+            },
+            "single_stage": {
+                "type": "finetune",
+                "mode": "single_stage",
+                "model": "model",
+                "images": "aug_images",
+                "train_last_blocks": n,
+                "batch_size": batch,
+                "train": train,
+            },
         },
         "targets": ["two_stage", "single_stage"],
     }
@@ -72,7 +100,7 @@ def compute_limit(n: int, samples: int, batch: int, epochs: int) -> tuple[float,
         t0 = time.perf_counter()
         for s in range(0, samples, batch):
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(top(feats[s:s + batch]), labels[s:s + batch])
+            loss = loss_fn(top(feats[s : s + batch]), labels[s : s + batch])
             loss.backward()
             opt.step()
         times.append(time.perf_counter() - t0)
@@ -104,7 +132,9 @@ def main() -> None:
     for n in args.cuts:
         with tempfile.TemporaryDirectory() as store:
             ctx = RunContext(catalog=Catalog(Path(store)), seed=0, recipe_name=f"bench-n{n}")
-            runner = Runner(recipe_from_dict(recipe(args.samples, n, args.bits, args.epochs, args.batch)), ctx)
+            runner = Runner(
+                recipe_from_dict(recipe(args.samples, n, args.bits, args.epochs, args.batch)), ctx
+            )
             reports = {r.name: r for r in runner.run()}
             train_samples = runner.specs["images"].splits["train"].num_samples
             build = reports["cache"]
@@ -130,23 +160,41 @@ def main() -> None:
             "bits": two["bits"],
         }
         rows.append(row)
-        print(f"N={n}: single {row['single_stage_epoch_s']:.2f}s  two-stage {row['two_stage_epoch_s']:.3f}s  "
-              f"limit {limit:.3f}s  (two/limit {row['two_stage_over_compute_limit']:.2f}, "
-              f"speedup {row['speedup_two_vs_single']:.1f}x)  build {row['cache_build_images_per_s']:.1f} img/s "
-              f"vs bare fwd {fwd_ips:.1f} img/s ({row['build_over_bare_forward']:.2f})")
+        print(
+            f"N={n}: single {row['single_stage_epoch_s']:.2f}s  two-stage {row['two_stage_epoch_s']:.3f}s  "
+            f"limit {limit:.3f}s  (two/limit {row['two_stage_over_compute_limit']:.2f}, "
+            f"speedup {row['speedup_two_vs_single']:.1f}x)  "
+            f"build {row['cache_build_images_per_s']:.1f} img/s "
+            f"vs bare fwd {fwd_ips:.1f} img/s ({row['build_over_bare_forward']:.2f})"
+        )
     targets = {
-        "two_stage_within_10pct_of_compute_limit": all(r["two_stage_over_compute_limit"] <= 1.10 for r in rows),
+        "two_stage_within_10pct_of_compute_limit": all(
+            r["two_stage_over_compute_limit"] <= 1.10 for r in rows
+        ),
         "cache_build_at_least_90pct_of_bare_forward": all(r["build_over_bare_forward"] >= 0.90 for r in rows),
     }
-    path = write_result("cache_reuse_epoch_time", {
-        "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; cache build throughput",
-        "command": "python benchmarks/bench_cache_reuse.py " + " ".join(
-            f"--{k} {v if not isinstance(v, list) else ' '.join(map(str, v))}" for k, v in vars(args).items()),
-        "settings": {**vars(args), "arch": "mobilenet_v2", "resolution": 224, "weights": "random init",
-                     "data": "synthetic 224x224", "torch_threads": torch.get_num_threads()},
-        "rows": rows,
-        "targets": targets,
-    })
+    path = write_result(
+        "cache_reuse_epoch_time",
+        {
+            "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
+            "cache build throughput",
+            "command": "python benchmarks/bench_cache_reuse.py "
+            + " ".join(
+                f"--{k} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
+                for k, v in vars(args).items()
+            ),
+            "settings": {
+                **vars(args),
+                "arch": "mobilenet_v2",
+                "resolution": 224,
+                "weights": "random init",
+                "data": "synthetic 224x224",
+                "torch_threads": torch.get_num_threads(),
+            },
+            "rows": rows,
+            "targets": targets,
+        },
+    )
     print(f"targets: {targets}\nwrote {path}")
 
 

@@ -37,8 +37,9 @@ def run_seed(seed: int, store: Path, extra: list[str]) -> tuple[dict[str, dict],
     overrides = [f"stages.{name}.seed={seed}" for name in SEEDED] + extra
     recipe = load_recipe(RECIPE, overrides)
     torch.set_num_threads(recipe.run.threads or torch.get_num_threads())
-    ctx = RunContext(catalog=Catalog(store), seed=recipe.seed, recipe_name=recipe.name,
-                     progress=Progress(quiet=False))
+    ctx = RunContext(
+        catalog=Catalog(store), seed=recipe.seed, recipe_name=recipe.name, progress=Progress(quiet=False)
+    )
     start = time.perf_counter()
     runner = Runner(recipe, ctx)
     reports = {r.name: r for r in runner.run()}
@@ -63,46 +64,65 @@ def main() -> None:
     for seed in args.seeds:
         metrics, statuses, seconds = run_seed(seed, store, args.overrides)
         per_seed.append({"seed": seed, "seconds": seconds, "statuses": statuses, "metrics": metrics})
-        print(f"seed {seed}: " + "  ".join(f"{r} {metrics[r]['accuracy']:.4f}" for r in ROWS)
-              + f"  ({seconds:.0f}s)")
+        print(
+            f"seed {seed}: "
+            + "  ".join(f"{r} {metrics[r]['accuracy']:.4f}" for r in ROWS)
+            + f"  ({seconds:.0f}s)"
+        )
     rows = []
     for name in ROWS:
         accs = [s["metrics"][name]["accuracy"] for s in per_seed]
         first = per_seed[0]["metrics"][name]
-        rows.append({
-            "row": name,
-            "bits": first["bits"],
-            "mode": first["mode"],
-            "accuracy_mean": statistics.fmean(accs),
-            "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-            "accuracies": accs,
-            "epoch_seconds_steady": statistics.fmean(s["metrics"][name]["epoch_seconds_steady"] for s in per_seed),
-            "cache_bytes": first["cache_bytes"],
-            "test_samples": first["test_samples"],
-        })
+        rows.append(
+            {
+                "row": name,
+                "bits": first["bits"],
+                "mode": first["mode"],
+                "accuracy_mean": statistics.fmean(accs),
+                "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "accuracies": accs,
+                "epoch_seconds_steady": statistics.fmean(
+                    s["metrics"][name]["epoch_seconds_steady"] for s in per_seed
+                ),
+                "cache_bytes": first["cache_bytes"],
+                "test_samples": first["test_samples"],
+            }
+        )
     by = {r["row"]: r for r in rows}
     base = by["baseline"]["accuracy_mean"]
     findings = {
         "bits_4_within_1pt_of_baseline": abs(by["bits_4"]["accuracy_mean"] - base) <= 0.01,
         "bits_2_within_1pt_of_baseline": abs(by["bits_2"]["accuracy_mean"] - base) <= 0.01,
-        "bits_1_clearly_lower_than_2bit": by["bits_1"]["accuracy_mean"] < by["bits_2"]["accuracy_mean"] - 0.01,
-        "no_feature_aug_lower_than_with": by["no_feature_aug"]["accuracy_mean"] < by["no_compression"]["accuracy_mean"],
+        "bits_1_clearly_lower_than_2bit": by["bits_1"]["accuracy_mean"]
+        < by["bits_2"]["accuracy_mean"] - 0.01,
+        "no_feature_aug_lower_than_with": by["no_feature_aug"]["accuracy_mean"]
+        < by["no_compression"]["accuracy_mean"],
     }
     print(f"{'row':<16}{'bits':>5}{'accuracy':>18}{'s/epoch':>9}{'cache':>12}")
     for r in rows:
-        print(f"{r['row']:<16}{r['bits']:>5}{r['accuracy_mean']:>10.4f} ± {r['accuracy_std']:.4f}"
-              f"{r['epoch_seconds_steady']:>9.3f}{r['cache_bytes'] / 1024:>10.1f}Ki")
+        print(
+            f"{r['row']:<16}{r['bits']:>5}{r['accuracy_mean']:>10.4f} ± {r['accuracy_std']:.4f}"
+            f"{r['epoch_seconds_steady']:>9.3f}{r['cache_bytes'] / 1024:>10.1f}Ki"
+        )
     print(f"findings: {findings}")
-    path = write_result("cache_reuse_fashion_table4", {
-        "question": "test accuracy of Cache & Reuse rows (Table 4 structure) on the Fashion-MNIST transfer task",
-        "settings": {"recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "seeds": args.seeds,
-                     "overrides": args.overrides, "torch_threads": torch.get_num_threads(),
-                     "task": "pretrain on classes 0-4 (2000/class), transfer to 5-9 with 100 train images/class, "
-                             "official test split (5000 images)"},
-        "rows": rows,
-        "findings": findings,
-        "per_seed": per_seed,
-    })
+    path = write_result(
+        "cache_reuse_fashion_table4",
+        {
+            "question": "test accuracy of Cache & Reuse rows (Table 4 structure) on the Fashion-MNIST "
+            "transfer task",
+            "settings": {
+                "recipe": str(RECIPE.relative_to(RECIPE.parents[2])),
+                "seeds": args.seeds,
+                "overrides": args.overrides,
+                "torch_threads": torch.get_num_threads(),
+                "task": "pretrain on classes 0-4 (2000/class), transfer to 5-9 with 100 train images/class, "
+                "official test split (5000 images)",
+            },
+            "rows": rows,
+            "findings": findings,
+            "per_seed": per_seed,
+        },
+    )
     print(f"wrote {path}")
     if tmp is not None:
         tmp.cleanup()

@@ -49,8 +49,9 @@ class ArrayStream(Stream):
         self.stats = StreamStats()
         self.samples = samples
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
-             start: int = 0) -> Iterator[Batch]:
+    def open(
+        self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
         gen = torch.Generator().manual_seed(0)
         for lo in range(start, self.samples, 256):
             n = min(256, self.samples - lo)
@@ -94,8 +95,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="prefetch-") as tmp:
         entry = Path(tmp)
-        write_stream(ArrayStream(args.samples), entry, chunk_bytes=args.chunk_bytes, compressor="zstd", level=3,
-                     attrs={})
+        write_stream(
+            ArrayStream(args.samples),
+            entry,
+            chunk_bytes=args.chunk_bytes,
+            compressor="zstd",
+            level=3,
+            attrs={},
+        )
         stored = sum(f.stat().st_size for f in (entry / "data.zarr").rglob("c/**/*") if f.is_file())
         # I/O time of one epoch = the simulated device's busy time (every get: chunk files of x, y
         # and id, each with its latency), measured by reading once with nothing else to do.
@@ -114,8 +121,13 @@ def main() -> None:
             per_batch = compute_total / batches
             measured = {}
             for depth in (0, args.depth):
-                stream = StoredStream(entry, prefetch_depth=depth, window_chunks=args.window_chunks,
-                                      throttle=args.profile, prefetch_max_bytes=max_bytes)
+                stream = StoredStream(
+                    entry,
+                    prefetch_depth=depth,
+                    window_chunks=args.window_chunks,
+                    throttle=args.profile,
+                    prefetch_max_bytes=max_bytes,
+                )
                 epoch(stream, args.batch, per_batch, seed=0)  # warm: imports, allocator
                 seconds, peak = epoch(stream, args.batch, per_batch, seed=1)
                 measured[depth] = (seconds, peak)
@@ -138,24 +150,37 @@ def main() -> None:
                 "peak_over_budget": with_pf[1] / (max_bytes + window_bytes),
             }
             rows.append(row)
-            print(f"{setting:<14} compute {compute_total:5.2f}s  io {io_s:5.2f}s  | prefetch {with_pf[0]:5.2f}s "
-                  f"({row['prefetch_over_bound']:.2f} x max)  no prefetch {without[0]:5.2f}s "
-                  f"({row['no_prefetch_over_sum']:.2f} x sum)  peak reader {with_pf[1] / 2**20:.1f} MiB "
-                  f"(budget {(max_bytes + window_bytes) / 2**20:.1f} MiB)")
+            print(
+                f"{setting:<14} compute {compute_total:5.2f}s  io {io_s:5.2f}s  | "
+                f"prefetch {with_pf[0]:5.2f}s "
+                f"({row['prefetch_over_bound']:.2f} x max)  no prefetch {without[0]:5.2f}s "
+                f"({row['no_prefetch_over_sum']:.2f} x sum)  peak reader {with_pf[1] / 2**20:.1f} MiB "
+                f"(budget {(max_bytes + window_bytes) / 2**20:.1f} MiB)"
+            )
     targets = {
         "prefetch_within_1.1x_of_max": all(r["prefetch_over_bound"] <= 1.1 for r in rows),
         "reader_memory_within_budget_plus_constant": all(
-            r["peak_reader_bytes_prefetch"] <= r["reader_budget_bytes"] + 8 * 2**20 for r in rows),
+            r["peak_reader_bytes_prefetch"] <= r["reader_budget_bytes"] + 8 * 2**20 for r in rows
+        ),
     }
-    path = write_result("prefetch_sdcard", {
-        "question": "epoch time through a simulated SD card, with vs without prefetch; reader memory",
-        "settings": {**vars(args), "profile_numbers": str(profile),
-                     "sample_shape": list(SHAPE), "dtype": "float16", "stored_bytes": stored, "chunks": chunks,
-                     "chunk_bytes_decoded": chunk_bytes,
-                     "compute_model": "sleep per batch (accelerator time), so CPU contention does not blur it"},
-        "rows": rows,
-        "targets": targets,
-    })
+    path = write_result(
+        "prefetch_sdcard",
+        {
+            "question": "epoch time through a simulated SD card, with vs without prefetch; reader memory",
+            "settings": {
+                **vars(args),
+                "profile_numbers": str(profile),
+                "sample_shape": list(SHAPE),
+                "dtype": "float16",
+                "stored_bytes": stored,
+                "chunks": chunks,
+                "chunk_bytes_decoded": chunk_bytes,
+                "compute_model": "sleep per batch (accelerator time), so CPU contention does not blur it",
+            },
+            "rows": rows,
+            "targets": targets,
+        },
+    )
     print(f"targets: {targets}\nwrote {path}")
 
 

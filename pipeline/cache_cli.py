@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cache = sub.add_parser("cache", help="inspect and maintain the store")
     csub = cache.add_subparsers(dest="cache_command", required=True)
 
-    def with_store(name: str, help: str, entry: bool = False, json_out: bool = False) -> argparse.ArgumentParser:
+    def with_store(
+        name: str, help: str, entry: bool = False, json_out: bool = False
+    ) -> argparse.ArgumentParser:
         sp = csub.add_parser(name, help=help)
         if entry:
             sp.add_argument("entry", help="fingerprint (or a unique prefix of one), as `cache ls` shows")
@@ -40,13 +42,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     with_store("ls", "list entries: size, kind, producing recipe:stage, last use, pinned", json_out=True)
     with_store("du", "disk usage: entries, staging (interrupted builds), budget", json_out=True)
-    verify = with_store("verify", "check every chunk's checksum and every file (all entries by default)",
-                        json_out=True)
+    verify = with_store(
+        "verify", "check every chunk's checksum and every file (all entries by default)", json_out=True
+    )
     verify.add_argument("entry", nargs="?", help="only this entry")
     repair = with_store("repair", "recompute only the corrupt chunks of an entry", entry=True)
-    repair.add_argument("--recipe", help="the producing recipe (default: the file named in the entry's lineage)")
-    repair.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="overrides the producing run used (so the fingerprint matches)")
+    repair.add_argument(
+        "--recipe", help="the producing recipe (default: the file named in the entry's lineage)"
+    )
+    repair.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides the producing run used (so the fingerprint matches)",
+    )
     with_store("gc", "remove interrupted builds' staging, trash and stale locks")
     rm = with_store("rm", "remove an entry", entry=True)
     rm.add_argument("--force", action="store_true", help="remove even while another run reads it")
@@ -61,10 +72,14 @@ def find_entry(catalog: Catalog, ref: str) -> Entry:
         return hits[0]
     if not hits:
         names = [e.fingerprint[:12] for e in entries]
-        raise EntryRefError(f"no entry {ref!r} in store {catalog.root}{did_you_mean(ref, names)}; "
-                            "`cache ls` lists the entries")
-    raise EntryRefError(f"entry {ref!r} is ambiguous in store {catalog.root}: it starts "
-                        f"{', '.join(e.fingerprint[:16] for e in hits)}; give more characters")
+        raise EntryRefError(
+            f"no entry {ref!r} in store {catalog.root}{did_you_mean(ref, names)}; "
+            "`cache ls` lists the entries"
+        )
+    raise EntryRefError(
+        f"entry {ref!r} is ambiguous in store {catalog.root}: it starts "
+        f"{', '.join(e.fingerprint[:16] for e in hits)}; give more characters"
+    )
 
 
 def _when(moment: datetime) -> str:
@@ -81,10 +96,19 @@ def _when(moment: datetime) -> str:
 
 def _row(e: Entry, catalog: Catalog) -> dict[str, Any]:
     lin = e.lineage or {}
-    return {"fingerprint": e.fingerprint, "kind": e.kind, "size_bytes": e.size_bytes,
-            "created": e.created.isoformat(), "last_used": e.last_used.isoformat(), "pinned": e.pinned,
-            "in_use": catalog.in_use(e.fingerprint), "recipe": lin.get("recipe"), "stage": lin.get("stage"),
-            "type": lin.get("type"), "recipe_file": lin.get("recipe_file")}
+    return {
+        "fingerprint": e.fingerprint,
+        "kind": e.kind,
+        "size_bytes": e.size_bytes,
+        "created": e.created.isoformat(),
+        "last_used": e.last_used.isoformat(),
+        "pinned": e.pinned,
+        "in_use": catalog.in_use(e.fingerprint),
+        "recipe": lin.get("recipe"),
+        "stage": lin.get("stage"),
+        "type": lin.get("type"),
+        "recipe_file": lin.get("recipe_file"),
+    }
 
 
 def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
@@ -93,12 +117,18 @@ def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
         print(json.dumps([_row(e, catalog) for e in entries], indent=2))
         return EXIT_OK
     budget = f" of {human_size(catalog.max_bytes)} budget" if catalog.max_bytes else ""
-    print(f"store {catalog.root}: {len(entries)} entries, {human_size(sum(e.size_bytes for e in entries))}{budget}")
+    print(
+        f"store {catalog.root}: {len(entries)} entries, "
+        f"{human_size(sum(e.size_bytes for e in entries))}{budget}"
+    )
     for e in entries:
         lin = e.lineage or {}
         flags = ("  pinned" if e.pinned else "") + ("  in use" if catalog.in_use(e.fingerprint) else "")
-        print(f"  {e.fingerprint[:12]}  {e.kind:<7} {human_size(e.size_bytes):>10}  used {_when(e.last_used):>9}  "
-              f"{lin.get('recipe', '?')}:{lin.get('stage', '?')} ({lin.get('type', '?')}){flags}")
+        print(
+            f"  {e.fingerprint[:12]}  {e.kind:<7} {human_size(e.size_bytes):>10}  "
+            f"used {_when(e.last_used):>9}  "
+            f"{lin.get('recipe', '?')}:{lin.get('stage', '?')} ({lin.get('type', '?')}){flags}"
+        )
     return EXIT_OK
 
 
@@ -123,15 +153,22 @@ def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
         print(json.dumps(usage, indent=2))
         return EXIT_OK
     print(f"store {catalog.root}")
-    print(f"  entries  {human_size(usage['entries_bytes']):>10} in {usage['entries']} entries "
-          f"({human_size(usage['pinned_bytes'])} pinned)")
+    print(
+        f"  entries  {human_size(usage['entries_bytes']):>10} in {usage['entries']} entries "
+        f"({human_size(usage['pinned_bytes'])} pinned)"
+    )
     for kind, size in sorted(usage["by_kind"].items()):
         print(f"    {kind:<7}{human_size(size):>10}")
-    print(f"  staging  {human_size(usage['staging_bytes']):>10} in {usage['staging_builds']} interrupted or running "
-          "builds (resumed by the next run; `cache gc` frees them)")
+    print(
+        f"  staging  {human_size(usage['staging_bytes']):>10} in {usage['staging_builds']} "
+        "interrupted or running "
+        "builds (resumed by the next run; `cache gc` frees them)"
+    )
     if catalog.max_bytes:
-        print(f"  budget   {human_size(catalog.max_bytes):>10} "
-              f"({100 * usage['entries_bytes'] / catalog.max_bytes:.0f}% used)")
+        print(
+            f"  budget   {human_size(catalog.max_bytes):>10} "
+            f"({100 * usage['entries_bytes'] / catalog.max_bytes:.0f}% used)"
+        )
     return EXIT_OK
 
 
@@ -139,16 +176,32 @@ def cmd_verify(args: argparse.Namespace, catalog: Catalog) -> int:
     targets = [find_entry(catalog, args.entry)] if args.entry else catalog.entries()
     reports = [catalog.verify(e.fingerprint) for e in targets]
     if args.json:
-        print(json.dumps([{"fingerprint": r.fingerprint, "ok": r.ok, "files_checked": r.files_checked,
-                           "chunks_checked": r.chunks_checked,
-                           "problems": [{"kind": p.kind, "array": p.array, "chunk": p.chunk, "message": p.message}
-                                        for p in r.problems]} for r in reports], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "fingerprint": r.fingerprint,
+                        "ok": r.ok,
+                        "files_checked": r.files_checked,
+                        "chunks_checked": r.chunks_checked,
+                        "problems": [
+                            {"kind": p.kind, "array": p.array, "chunk": p.chunk, "message": p.message}
+                            for p in r.problems
+                        ],
+                    }
+                    for r in reports
+                ],
+                indent=2,
+            )
+        )
     else:
         for r in reports:
             print(r.describe())
         bad = [r for r in reports if not r.ok]
-        print(f"{len(reports)} entries verified: {len(reports) - len(bad)} ok, {len(bad)} damaged"
-              + (" (repair: python -m pipeline cache repair ENTRY)" if bad else ""))
+        print(
+            f"{len(reports)} entries verified: {len(reports) - len(bad)} ok, {len(bad)} damaged"
+            + (" (repair: python -m pipeline cache repair ENTRY)" if bad else "")
+        )
     return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
 
 
@@ -159,13 +212,18 @@ def cmd_repair(args: argparse.Namespace, catalog: Catalog) -> int:
     entry = find_entry(catalog, args.entry)
     recipe = args.recipe or (entry.lineage or {}).get("recipe_file")
     if not recipe or not Path(recipe).is_file():
-        raise EntryRefError(f"entry {entry.fingerprint[:12]} was produced by recipe file {recipe!r}, which is not "
-                            "available; pass --recipe FILE (with the --set overrides that run used)")
+        raise EntryRefError(
+            f"entry {entry.fingerprint[:12]} was produced by recipe file {recipe!r}, which is not "
+            "available; pass --recipe FILE (with the --set overrides that run used)"
+        )
     result = repair_entry(catalog, entry.fingerprint, recipe, overrides=args.overrides, progress=Progress())
     chunks = sum(len(v) for v in result["rewritten"].values())
     print(result["verify"].describe())
-    print(f"repaired {entry.fingerprint[:12]}: rewrote {chunks} chunks in {len(result['rewritten'])} arrays"
-          if chunks else f"entry {entry.fingerprint[:12]} had no corrupt chunks")
+    print(
+        f"repaired {entry.fingerprint[:12]}: rewrote {chunks} chunks in {len(result['rewritten'])} arrays"
+        if chunks
+        else f"entry {entry.fingerprint[:12]} had no corrupt chunks"
+    )
     return EXIT_OK if result["verify"].ok else EXIT_FAILED
 
 
@@ -201,8 +259,16 @@ def cmd_unpin(args: argparse.Namespace, catalog: Catalog) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"ls": cmd_ls, "du": cmd_du, "verify": cmd_verify, "repair": cmd_repair, "gc": cmd_gc, "rm": cmd_rm,
-            "pin": cmd_pin, "unpin": cmd_unpin}
+COMMANDS = {
+    "ls": cmd_ls,
+    "du": cmd_du,
+    "verify": cmd_verify,
+    "repair": cmd_repair,
+    "gc": cmd_gc,
+    "rm": cmd_rm,
+    "pin": cmd_pin,
+    "unpin": cmd_unpin,
+}
 
 
 def main(args: argparse.Namespace, max_bytes: int | None = None) -> int:

@@ -17,9 +17,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import cache_cli
 from stores.errors import CorruptChunkError, StoreError
 
+from . import cache_cli
 from .errors import PipelineError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -35,8 +35,22 @@ def _human(n: float | None) -> str:
     return f"{n:.1f} TiB"
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -54,13 +68,23 @@ def _parser() -> argparse.ArgumentParser:
 
     def recipe_args(sp: argparse.ArgumentParser, store: bool = True) -> None:
         sp.add_argument("recipe", help="recipe YAML file")
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe field, e.g. --set stages.cache_q.bits=4 (repeatable)")
+        sp.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a recipe field, e.g. --set stages.cache_q.bits=4 (repeatable)",
+        )
         if store:
             sp.add_argument("--store", help="store directory (overrides the recipe's store.path)")
-            sp.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
-                            help="store budget, e.g. 2GiB or 500MB (overrides store.max_bytes): least recently "
-                                 "used entries are evicted to make room, never pinned ones or ones in use")
+            sp.add_argument(
+                "--max-bytes",
+                type=parse_size,
+                metavar="SIZE",
+                help="store budget, e.g. 2GiB or 500MB (overrides store.max_bytes): least recently "
+                "used entries are evicted to make room, never pinned ones or ones in use",
+            )
 
     run = sub.add_parser("run", help="run a recipe")
     recipe_args(run)
@@ -85,8 +109,15 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
 
     store = resolve_store(getattr(args, "store", None), recipe.store.path)
     max_bytes = getattr(args, "max_bytes", None) or recipe.store.max_bytes
-    return RunContext(catalog=Catalog(store, max_bytes=max_bytes), output_dir=output, seed=recipe.seed, device=recipe.run.device,
-                      recipe_name=recipe.name, recipe_path=recipe.source, progress=Progress(quiet=quiet))
+    return RunContext(
+        catalog=Catalog(store, max_bytes=max_bytes),
+        output_dir=output,
+        seed=recipe.seed,
+        device=recipe.run.device,
+        recipe_name=recipe.name,
+        recipe_path=recipe.source,
+        progress=Progress(quiet=quiet),
+    )
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -107,9 +138,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ctx = _context(args, recipe, output=None, quiet=True)
     rows = Runner(recipe, ctx).plan()
     if args.json:
-        print(json.dumps([{"name": r.name, "type": r.type, "kind": r.kind, "fingerprint": r.fingerprint,
-                           "inputs": r.inputs, "action": r.action, "estimate_bytes": r.estimate_bytes}
-                          for r in rows], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": r.name,
+                        "type": r.type,
+                        "kind": r.kind,
+                        "fingerprint": r.fingerprint,
+                        "inputs": r.inputs,
+                        "action": r.action,
+                        "estimate_bytes": r.estimate_bytes,
+                    }
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
         return EXIT_OK
     print(f"plan for {recipe.name} ({args.recipe}); store {ctx.catalog.root}")
     width = max(len(r.name) for r in rows)
@@ -161,8 +206,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return cache_cli.main(args)
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "stages": cmd_stages,
-            "cache": cmd_cache}
+COMMANDS = {
+    "run": cmd_run,
+    "plan": cmd_plan,
+    "validate": cmd_validate,
+    "stages": cmd_stages,
+    "cache": cmd_cache,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,14 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        print("interrupted: nothing partial was committed to the store; an interrupted cache build resumes "
-              "from its verified chunks on the next run", file=sys.stderr)
+        print(
+            "interrupted: nothing partial was committed to the store; an interrupted cache build resumes "
+            "from its verified chunks on the next run",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     except CorruptChunkError as exc:  # data went bad on disk while working: not the user's input
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
-        print(f"error: {exc}\n(`python -m pipeline cache verify` lists every damaged chunk; "
-              "`cache repair ENTRY` recomputes only those)", file=sys.stderr)
+        print(
+            f"error: {exc}\n(`python -m pipeline cache verify` lists every damaged chunk; "
+            "`cache repair ENTRY` recomputes only those)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         if os.environ.get("ONDEVICE_TL_DEBUG"):
@@ -193,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug, not bad input: say so, keep the traceback one variable away
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
-        print(f"internal error: {type(exc).__name__}: {exc}\n(this is a bug in ondevice-tl; rerun with "
-              "ONDEVICE_TL_DEBUG=1 to see the traceback and please report it)", file=sys.stderr)
+        print(
+            f"internal error: {type(exc).__name__}: {exc}\n(this is a bug in ondevice-tl; rerun with "
+            "ONDEVICE_TL_DEBUG=1 to see the traceback and please report it)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED

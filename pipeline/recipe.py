@@ -25,7 +25,9 @@ Path_ = tuple[str | int, ...]
 
 class StoreConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    path: str | None = Field(None, description="store directory; default $ONDEVICE_TL_STORE or a per-user cache")
+    path: str | None = Field(
+        None, description="store directory; default $ONDEVICE_TL_STORE or a per-user cache"
+    )
     max_bytes: int | None = Field(None, ge=0, description="size budget for the store (bytes)")
 
 
@@ -165,13 +167,18 @@ def _raise(errors: list[tuple[Path_, str]], source: str, lines: dict[Path_, int]
 
 
 def recipe_from_dict(
-    data: Any, *, source: str = "<recipe>", lines: dict[Path_, int] | None = None,
+    data: Any,
+    *,
+    source: str = "<recipe>",
+    lines: dict[Path_, int] | None = None,
     overridden: set[Path_] | None = None,
 ) -> Recipe:
     lines = lines or {}
     overridden = overridden or set()
     if not isinstance(data, dict):
-        _raise([((), f"expected a mapping at the top, found {type(data).__name__}")], source, lines, overridden)
+        _raise(
+            [((), f"expected a mapping at the top, found {type(data).__name__}")], source, lines, overridden
+        )
     errors: list[tuple[Path_, str]] = []
     stages_raw = data.get("stages")
     stages: dict[str, Stage] = {}
@@ -229,7 +236,9 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
-        raise MissingPathError(f"recipe file not found: {path} (expected a YAML file, e.g. recipes/quickstart.yaml)")
+        raise MissingPathError(
+            f"recipe file not found: {path} (expected a YAML file, e.g. recipes/quickstart.yaml)"
+        )
     text = path.read_text()
     source = str(path)
     lines = _line_map(text, source)

@@ -30,25 +30,39 @@ def _stage_for(runner: Runner, fingerprint: str) -> str:
         if fp == fingerprint:
             return name
     raise RecipeError(
-        f"no stage of recipe {runner.recipe.source} has fingerprint {fingerprint[:12]}: the recipe (or its data, "
+        f"no stage of recipe {runner.recipe.source} has fingerprint {fingerprint[:12]}: "
+        "the recipe (or its data, "
         "weights or code version) changed since the entry was built; remove the entry and rebuild it instead"
     )
 
 
-def repair_entry(catalog: Catalog, fingerprint: str, recipe_path: str | Path, *, overrides: list[str] | None = None,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def repair_entry(
+    catalog: Catalog,
+    fingerprint: str,
+    recipe_path: str | Path,
+    *,
+    overrides: list[str] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Recompute the corrupt chunks of ``fingerprint``; returns what was rewritten and the final verify."""
     report = catalog.verify(fingerprint)
     bad = report.corrupt_chunks()
     other = [p for p in report.problems if p.kind != "corrupt_chunk"]
     if other:
-        raise RecipeError(f"entry {fingerprint[:12]} has problems a chunk repair cannot fix "
-                          f"({'; '.join(p.message for p in other[:3])}); remove it and rebuild")
+        raise RecipeError(
+            f"entry {fingerprint[:12]} has problems a chunk repair cannot fix "
+            f"({'; '.join(p.message for p in other[:3])}); remove it and rebuild"
+        )
     if not bad:
         return {"rewritten": {}, "verify": report}
     recipe = load_recipe(recipe_path, overrides)
-    ctx = RunContext(catalog=catalog, seed=recipe.seed, recipe_name=recipe.name, recipe_path=recipe.source,
-                     progress=progress or Progress(quiet=True))
+    ctx = RunContext(
+        catalog=catalog,
+        seed=recipe.seed,
+        recipe_name=recipe.name,
+        recipe_path=recipe.source,
+        progress=progress or Progress(quiet=True),
+    )
     runner = Runner(recipe, ctx)
     name = _stage_for(runner, fingerprint)
     (parent,) = runner.graph.edges[name].values()

@@ -33,7 +33,9 @@ def _epochs(path: Path) -> dict[str, list[dict[str, Any]]]:
     return by_stage
 
 
-def _plots(output: Path, epochs: dict[str, list[dict[str, Any]]], results: dict[str, dict[str, Any]]) -> list[str]:
+def _plots(
+    output: Path, epochs: dict[str, list[dict[str, Any]]], results: dict[str, dict[str, Any]]
+) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,8 +60,11 @@ def _plots(output: Path, epochs: dict[str, list[dict[str, Any]]], results: dict[
     if results:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = list(results)
-        ax.bar(names, [results[n]["epoch_seconds"] for n in names],
-               color=["tab:orange" if results[n]["mode"] == "single_stage" else "tab:blue" for n in names])
+        ax.bar(
+            names,
+            [results[n]["epoch_seconds"] for n in names],
+            color=["tab:orange" if results[n]["mode"] == "single_stage" else "tab:blue" for n in names],
+        )
         ax.set(ylabel="seconds per epoch", title="epoch time: single-stage (orange) vs two-stage (blue)")
         fig.tight_layout()
         fig.savefig(output / "epoch_time.png", dpi=100)
@@ -68,13 +73,24 @@ def _plots(output: Path, epochs: dict[str, list[dict[str, Any]]], results: dict[
     return written
 
 
-def write_run_outputs(output: Path, recipe: Any, runner: Runner, reports: list[StageReport],
-                      seconds: float) -> dict[str, Any]:
+def write_run_outputs(
+    output: Path, recipe: Any, runner: Runner, reports: list[StageReport], seconds: float
+) -> dict[str, Any]:
     results = {r.name: r.metrics for r in reports if r.kind == RESULT and r.metrics}
     primary = next((t for t in reversed(runner.graph.targets) if t in results), None)
-    stages = [{"name": r.name, "type": r.type, "kind": r.kind, "fingerprint": r.fingerprint,
-               "status": r.status, "seconds": round(r.seconds, 4), "bytes_written": r.bytes_written,
-               **({"metrics": r.metrics} if r.metrics else {})} for r in reports]
+    stages = [
+        {
+            "name": r.name,
+            "type": r.type,
+            "kind": r.kind,
+            "fingerprint": r.fingerprint,
+            "status": r.status,
+            "seconds": round(r.seconds, 4),
+            "bytes_written": r.bytes_written,
+            **({"metrics": r.metrics} if r.metrics else {}),
+        }
+        for r in reports
+    ]
     computed = sum(r.status == "computed" for r in reports)
     reused = sum(r.status == "reused" for r in reports)
     parts = [f"{recipe.name}: {len(reports)} stages ({computed} computed, {reused} reused) in {seconds:.1f}s"]
@@ -98,18 +114,35 @@ def write_run_outputs(output: Path, recipe: Any, runner: Runner, reports: list[S
     (output / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe.resolved_dict(), sort_keys=False))
     epochs = _epochs(output / "metrics.jsonl")
     plots = _plots(output, {k: v for k, v in epochs.items() if k in results or v}, results)
-    lines = [f"# Run report: {recipe.name}", "", f"Recipe `{recipe.source}`, {summary['created']}, "
-             f"{seconds:.1f} s in all. Store `{summary['store']}`.", "", "## Stages", "",
-             "| stage | type | status | fingerprint | seconds | bytes written |", "|---|---|---|---|---:|---:|"]
+    lines = [
+        f"# Run report: {recipe.name}",
+        "",
+        f"Recipe `{recipe.source}`, {summary['created']}, "
+        f"{seconds:.1f} s in all. Store `{summary['store']}`.",
+        "",
+        "## Stages",
+        "",
+        "| stage | type | status | fingerprint | seconds | bytes written |",
+        "|---|---|---|---|---:|---:|",
+    ]
     for s in stages:
-        lines.append(f"| {s['name']} | {s['type']} | {s['status']} | `{s['fingerprint'][:12]}` | "
-                     f"{s['seconds']:.2f} | {_human(s['bytes_written'])} |")
+        lines.append(
+            f"| {s['name']} | {s['type']} | {s['status']} | `{s['fingerprint'][:12]}` | "
+            f"{s['seconds']:.2f} | {_human(s['bytes_written'])} |"
+        )
     if results:
-        lines += ["", "## Results", "", "| trainer | mode | bits | test accuracy | best val | s/epoch | cache |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Results",
+            "",
+            "| trainer | mode | bits | test accuracy | best val | s/epoch | cache |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
         for name, m in results.items():
-            lines.append(f"| {name} | {m['mode']} | {m['bits']} | {m['accuracy']:.4f} | "
-                         f"{m['best_val_accuracy']:.4f} | {m['epoch_seconds']:.3f} | {_human(m['cache_bytes'])} |")
+            lines.append(
+                f"| {name} | {m['mode']} | {m['bits']} | {m['accuracy']:.4f} | "
+                f"{m['best_val_accuracy']:.4f} | {m['epoch_seconds']:.3f} | {_human(m['cache_bytes'])} |"
+            )
     lines += [""] + [f"![{p}]({p})" for p in plots] + ["", summary_line, ""]
     (output / "report.md").write_text("\n".join(lines))
     return summary

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from stores.catalog import Entry
@@ -85,7 +85,9 @@ class Runner:
                 raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
             parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
             try:
-                identity = self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
+                identity = (
+                    self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
+                )
                 fp = stage_fingerprint(stage, parents, identity)
             except UnhashableInput as exc:
                 fp = uncacheable(name, str(exc))
@@ -111,9 +113,18 @@ class Runner:
                 action = "index"
             else:
                 action = "stream" if stage.kind == STREAM else "compute"
-            rows.append(PlanRow(name, stage.type_name, stage.kind, fp, dict(self.graph.edges[name]), action,
-                                stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
-                                self.specs[name]))
+            rows.append(
+                PlanRow(
+                    name,
+                    stage.type_name,
+                    stage.kind,
+                    fp,
+                    dict(self.graph.edges[name]),
+                    action,
+                    stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
+                    self.specs[name],
+                )
+            )
         return rows
 
     # ---------------------------------------------------------------------- work
@@ -172,18 +183,24 @@ class Runner:
 
         def waiting(holder: Any) -> None:
             who = f"pid {holder.pid} on {holder.host}" if holder is not None else "another process"
-            self.ctx.progress.log(f"[{name}] waiting: {who} is building {stage.kind} {fp[:12]}; "
-                                  "it will be reused when done")
+            self.ctx.progress.log(
+                f"[{name}] waiting: {who} is building {stage.kind} {fp[:12]}; it will be reused when done"
+            )
 
         estimate = stage.estimate_bytes(self.specs[name])
-        with self.ctx.catalog.stage(fp, stage.kind, lineage, resume=stage.resumable, estimate_bytes=estimate,
-                                    on_wait=waiting) as staging:
+        with self.ctx.catalog.stage(
+            fp, stage.kind, lineage, resume=stage.resumable, estimate_bytes=estimate, on_wait=waiting
+        ) as staging:
             if staging.existing is not None:
                 entry, reused = staging.existing, True
-                self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
+                self.ctx.progress.log(
+                    f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run"
+                )
             else:
-                self.ctx.progress.log(f"[{name}] computing {stage.kind} {fp[:12]}"
-                                      + (" (resuming an interrupted build)" if staging.resumed else ""))
+                self.ctx.progress.log(
+                    f"[{name}] computing {stage.kind} {fp[:12]}"
+                    + (" (resuming an interrupted build)" if staging.resumed else "")
+                )
                 extra = stage.build(self.ctx, inputs, staging.path, name)
                 entry, reused = staging.commit(extra), False
             held = self.ctx.catalog.use(fp)  # inside the block, so nothing evicts it in between
@@ -214,8 +231,9 @@ class Runner:
                 report.seconds = value.stats.seconds
                 report.status = "computed" if value.stats.batches else "reused"
             elif name not in self.reports:
-                self.reports[name] = StageReport(name, stage.type_name, stage.kind, self.fingerprints[name],
-                                                 "reused")
+                self.reports[name] = StageReport(
+                    name, stage.type_name, stage.kind, self.fingerprints[name], "reused"
+                )
         return [self.reports[n] for n in self.graph.order if n in self.reports]
 
     @staticmethod

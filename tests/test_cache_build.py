@@ -1,4 +1,4 @@
-"""Stage A as a user runs it: bounded memory, and interruption never leaves an entry that reads as complete."""
+"""Stage A as a user runs it: bounded memory; an interruption never leaves an entry reading as complete."""
 
 from __future__ import annotations
 
@@ -25,10 +25,21 @@ def recipe(tmp: Path, samples: int, name: str = "build") -> Path:
         "stages": {
             "data": {"type": "synthetic", "num_samples": samples, "num_classes": 4, "size": 32},
             "split": {"type": "split", "input": "data", "val_fraction": 0.1, "test_fraction": 0.1},
-            "model": {"type": "backbone", "arch": "mobilenet_v2", "width_mult": 0.35, "small_input": True,
-                      "num_classes": 4, "resolution": 32},
+            "model": {
+                "type": "backbone",
+                "arch": "mobilenet_v2",
+                "width_mult": 0.35,
+                "small_input": True,
+                "num_classes": 4,
+                "resolution": 32,
+            },
             "images": {"type": "decode", "input": "split", "resolution": 32, "batch_size": 64},
-            "features": {"type": "frozen_forward", "input": "images", "model": "model", "train_last_blocks": 18},
+            "features": {
+                "type": "frozen_forward",
+                "input": "images",
+                "model": "model",
+                "train_last_blocks": 18,
+            },
             "float": {"type": "quantize", "input": "features", "bits": 32, "eval_bits": 32},
             "cache": {"type": "cache", "input": "float", "chunk_bytes": 262144},
         },
@@ -50,9 +61,24 @@ sys.exit(code)
 
 
 def run_measured(recipe_path: Path, store: Path, out: Path) -> int:
-    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, "run", str(recipe_path), "--store", str(store),
-                           "--output", str(out), "--quiet"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PEAK_RSS,
+            "run",
+            str(recipe_path),
+            "--store",
+            str(store),
+            "--output",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split("PEAK_KIB")[1].split()[0]) * 1024
 
@@ -69,8 +95,13 @@ def test_cache_build_memory_does_not_grow_with_samples(tmp_path: Path) -> None:
 
 
 def _cache_fingerprint(recipe_path: Path, store: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "pipeline", "plan", str(recipe_path), "--store", str(store),
-                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "plan", str(recipe_path), "--store", str(store), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return next(r for r in json.loads(out.stdout) if r["name"] == "cache")
 
@@ -82,9 +113,24 @@ def test_interrupted_build_never_reads_as_complete(tmp_path: Path, sig: signal.S
     store.mkdir()
     fp = _cache_fingerprint(path, store)["fingerprint"]
     staging = store / "staging" / fp / "data.zarr"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(path), "--store", str(store),
-                             "--output", str(tmp_path / "out"), "--quiet"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            str(path),
+            "--store",
+            str(store),
+            "--output",
+            str(tmp_path / "out"),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     # Wait until chunks are being written, then interrupt mid-build.
     while time.monotonic() < deadline and proc.poll() is None:
@@ -101,16 +147,45 @@ def test_interrupted_build_never_reads_as_complete(tmp_path: Path, sig: signal.S
     assert _cache_fingerprint(path, store)["action"] == "compute"
     # The next run resumes from the verified chunks (no recomputation of those) and completes the entry,
     # bit-identical to an uninterrupted build of the same recipe in a fresh store.
-    done = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path), "--store", str(store),
-                           "--output", str(tmp_path / "out2")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            str(path),
+            "--store",
+            str(store),
+            "--output",
+            str(tmp_path / "out2"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "resuming an interrupted build" in done.stderr
     assert catalog.exists(fp)
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    clean = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path), "--store", str(fresh),
-                            "--output", str(tmp_path / "out3"), "--quiet"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=600)
+    clean = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            str(path),
+            "--store",
+            str(fresh),
+            "--output",
+            str(tmp_path / "out3"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert clean.returncode == 0, clean.stderr
     assert catalog.content_hash(fp) == Catalog(fresh).content_hash(fp)

@@ -27,7 +27,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def flip_a_byte(store: Path, fp: str) -> int:
     """Damage the last chunk of train/x; returns its chunk index (the first key component after c/)."""
     root = store / "entries" / fp / "data.zarr" / "train" / "x" / "c"
-    chunk = sorted((f for f in root.rglob("*") if f.is_file()), key=lambda f: int(f.relative_to(root).parts[0]))[-1]
+    chunk = sorted(
+        (f for f in root.rglob("*") if f.is_file()), key=lambda f: int(f.relative_to(root).parts[0])
+    )[-1]
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
@@ -42,11 +44,14 @@ def test_ls_du_json(built: dict, capsys: pytest.CaptureFixture) -> None:
     assert row["stage"] == "cache" and row["recipe"] == "cli" and row["size_bytes"] > 0 and not row["pinned"]
     assert main(["cache", "du", "--store", store, "--json"]) == 0
     usage = json.loads(capsys.readouterr().out)
-    assert usage["entries"] == 1 and usage["entries_bytes"] == row["size_bytes"] and usage["staging_bytes"] == 0
+    assert (
+        usage["entries"] == 1 and usage["entries_bytes"] == row["size_bytes"] and usage["staging_bytes"] == 0
+    )
 
 
-def test_verify_names_the_chunk_and_repair_restores_the_content(built: dict,
-                                                                capsys: pytest.CaptureFixture) -> None:
+def test_verify_names_the_chunk_and_repair_restores_the_content(
+    built: dict, capsys: pytest.CaptureFixture
+) -> None:
     store, fp = built["store"], built["fp"]
     catalog = Catalog(store)
     before = catalog.content_hash(fp)
@@ -61,8 +66,9 @@ def test_verify_names_the_chunk_and_repair_restores_the_content(built: dict,
     assert catalog.content_hash(fp) == before  # recomputed bit for bit
 
 
-def test_corrupt_chunk_met_while_training_is_named(built: dict, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
+def test_corrupt_chunk_met_while_training_is_named(
+    built: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import yaml
 
     store, fp = built["store"], built["fp"]
@@ -92,11 +98,24 @@ def test_pin_unpin_rm_gc_and_bad_references(built: dict, capsys: pytest.CaptureF
     assert main(["cache", "ls", "--store", str(built["base"] / "missing")]) == 2
 
 
-def test_budget_too_small_fails_before_any_work(built: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_budget_too_small_fails_before_any_work(
+    built: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     store = tmp_path / "small"
     store.mkdir()
-    code = main(["run", str(built["recipe"]), "--store", str(store), "--max-bytes", "100KB",
-                 "--output", str(tmp_path / "o"), "--quiet"])
+    code = main(
+        [
+            "run",
+            str(built["recipe"]),
+            "--store",
+            str(store),
+            "--max-bytes",
+            "100KB",
+            "--output",
+            str(tmp_path / "o"),
+            "--quiet",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "cannot make room" in err and "budget" in err and "MiB" in err
@@ -115,9 +134,37 @@ def test_budget_evicts_least_recently_used_but_never_pinned(built: dict, tmp_pat
     # it only fits once the least recently used entry is evicted.
     estimate = 301 * (16 * 32 * 32 * 4 + 8 + 8)
     budget = str(estimate + old.size_bytes // 2)
-    assert main(["run", str(second), "--store", str(store), "--max-bytes", budget,
-                 "--output", str(tmp_path / "b"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(second),
+                "--store",
+                str(store),
+                "--max-bytes",
+                budget,
+                "--output",
+                str(tmp_path / "b"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert [e.lineage["recipe"] for e in Catalog(store).entries()] == ["second"]
     catalog.pin(Catalog(store).entries()[0].fingerprint)
-    assert main(["run", str(first), "--store", str(store), "--max-bytes", budget,
-                 "--output", str(tmp_path / "c"), "--quiet"]) == 2  # cannot evict the pinned one
+    assert (
+        main(
+            [
+                "run",
+                str(first),
+                "--store",
+                str(store),
+                "--max-bytes",
+                budget,
+                "--output",
+                str(tmp_path / "c"),
+                "--quiet",
+            ]
+        )
+        == 2
+    )  # cannot evict the pinned one

@@ -28,12 +28,37 @@ def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     store = base / "store"
     store.mkdir()
     first, second = base / "run1", base / "run2"
-    assert run_cli("run", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--store", str(store),
-                   "--output", str(first), "--quiet") == 0
+    assert (
+        run_cli(
+            "run",
+            QUICKSTART,
+            *sum((["--set", s] for s in FAST), []),
+            "--store",
+            str(store),
+            "--output",
+            str(first),
+            "--quiet",
+        )
+        == 0
+    )
     # Downstream-only changes (learning rate, epochs, feature augmentation): the cache is reused.
-    assert run_cli("run", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
-                   "stages.two_stage.train.lr=0.001", "--set", "stages.augmented_features.crop_padding=1",
-                   "--store", str(store), "--output", str(second), "--quiet") == 0
+    assert (
+        run_cli(
+            "run",
+            QUICKSTART,
+            *sum((["--set", s] for s in FAST), []),
+            "--set",
+            "stages.two_stage.train.lr=0.001",
+            "--set",
+            "stages.augmented_features.crop_padding=1",
+            "--store",
+            str(store),
+            "--output",
+            str(second),
+            "--quiet",
+        )
+        == 0
+    )
     return {"store": store, "first": first, "second": second}
 
 
@@ -44,8 +69,14 @@ def stages_by_name(run: Path) -> dict[str, dict]:
 def test_first_run_computes_and_writes_outputs(quick_runs: dict[str, Path]) -> None:
     run = quick_runs["first"]
     summary = json.loads((run / "summary.json").read_text())
-    for name in ("summary.json", "metrics.jsonl", "report.md", "recipe.resolved.yaml", "curves.png",
-                 "epoch_time.png"):
+    for name in (
+        "summary.json",
+        "metrics.jsonl",
+        "report.md",
+        "recipe.resolved.yaml",
+        "curves.png",
+        "epoch_time.png",
+    ):
         assert (run / name).is_file(), name
     stages = stages_by_name(run)
     assert stages["backbone"]["status"] == "computed" and stages["cache"]["status"] == "computed"
@@ -70,20 +101,49 @@ def test_second_run_reuses_backbone_and_cache(quick_runs: dict[str, Path]) -> No
     assert second["augmented_features"]["fingerprint"] != first["augmented_features"]["fingerprint"]
 
 
-def test_upstream_change_makes_a_new_entry(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+def test_upstream_change_makes_a_new_entry(
+    quick_runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
     store = str(quick_runs["store"])
-    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--store", store, "--json") == 0
+    assert (
+        run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--store", store, "--json") == 0
+    )
     same = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert same["cache"]["action"] == "reuse" and same["backbone"]["action"] == "reuse"
-    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
-                   "stages.quantized.bits=4", "--store", store, "--json") == 0
+    assert (
+        run_cli(
+            "plan",
+            QUICKSTART,
+            *sum((["--set", s] for s in FAST), []),
+            "--set",
+            "stages.quantized.bits=4",
+            "--store",
+            store,
+            "--json",
+        )
+        == 0
+    )
     changed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert changed["cache"]["action"] == "compute" and changed["backbone"]["action"] == "reuse"
     assert changed["cache"]["fingerprint"] != same["cache"]["fingerprint"]
-    assert run_cli("plan", QUICKSTART, *sum((["--set", s] for s in FAST), []), "--set",
-                   "stages.features.train_last_blocks=3", "--store", store, "--json") == 0
+    assert (
+        run_cli(
+            "plan",
+            QUICKSTART,
+            *sum((["--set", s] for s in FAST), []),
+            "--set",
+            "stages.features.train_last_blocks=3",
+            "--store",
+            store,
+            "--json",
+        )
+        == 0
+    )
     cut = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert cut["cache"]["action"] == "compute" and cut["features"]["fingerprint"] != same["features"]["fingerprint"]
+    assert (
+        cut["cache"]["action"] == "compute"
+        and cut["features"]["fingerprint"] != same["features"]["fingerprint"]
+    )
 
 
 def test_cache_entry_opens_with_stock_zarr(quick_runs: dict[str, Path]) -> None:
@@ -112,9 +172,13 @@ def test_validate_and_plan_text(quick_runs: dict[str, Path], capsys: pytest.Capt
 def test_bad_inputs_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert run_cli("run", str(tmp_path / "missing.yaml")) == 2
     assert "missing.yaml" in capsys.readouterr().err
-    assert run_cli("validate", QUICKSTART, "--set", "stages.features.train_last_blocks=99") == 0  # range is a plan-time check
-    assert run_cli("plan", QUICKSTART, "--set", "stages.features.train_last_blocks=99",
-                   "--store", str(tmp_path)) == 2
+    assert (
+        run_cli("validate", QUICKSTART, "--set", "stages.features.train_last_blocks=99") == 0
+    )  # range is a plan-time check
+    assert (
+        run_cli("plan", QUICKSTART, "--set", "stages.features.train_last_blocks=99", "--store", str(tmp_path))
+        == 2
+    )
     err = capsys.readouterr().err
     assert "0..19" in err and "train_last_blocks=99" in err
     assert run_cli("plan", QUICKSTART, "--store", str(tmp_path / "no" / "such" / "dir")) == 2
@@ -127,6 +191,7 @@ def test_bad_inputs_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "pipeline", "validate", QUICKSTART], capture_output=True,
-                         text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "validate", QUICKSTART], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr

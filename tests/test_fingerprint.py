@@ -60,8 +60,13 @@ def test_uncacheable_input_is_a_miss_never_a_hit() -> None:
     assert not is_cacheable(child)  # everything downstream of an unhashable input is recomputed
 
 
-@given(st.dictionaries(st.sampled_from(["input", "model", "features"]), st.text("0123456789abcdef", min_size=64,
-                                                                                max_size=64), min_size=1))
+@given(
+    st.dictionaries(
+        st.sampled_from(["input", "model", "features"]),
+        st.text("0123456789abcdef", min_size=64, max_size=64),
+        min_size=1,
+    )
+)
 def test_parent_order_does_not_matter(parents: dict[str, str]) -> None:
     stage = make("cache", input="q")
     reordered = dict(reversed(list(parents.items())))

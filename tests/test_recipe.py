@@ -60,14 +60,19 @@ def test_unknown_reference_names_nearest_stage(tmp_path: Path) -> None:
 
 
 def test_reference_of_wrong_kind(tmp_path: Path) -> None:
-    text = ("name: t\nstages:\n  d: {type: digits}\n  b: {type: backbone, arch: mobilenet_v2}\n"
-            "  x: {type: decode, input: b}\n")
+    text = (
+        "name: t\nstages:\n  d: {type: digits}\n  b: {type: backbone, arch: mobilenet_v2}\n"
+        "  x: {type: decode, input: b}\n"
+    )
     with pytest.raises(RecipeError, match="expected a stage producing a dataset"):
         Graph(load_recipe(write(tmp_path, text)))
 
 
 def test_cycle_is_reported(tmp_path: Path) -> None:
-    text = "name: t\nstages:\n  a: {type: rechunk, input: b, batch_size: 2}\n  b: {type: rechunk, input: a, batch_size: 2}\n"
+    text = (
+        "name: t\nstages:\n  a: {type: rechunk, input: b, batch_size: 2}\n"
+        "  b: {type: rechunk, input: a, batch_size: 2}\n"
+    )
     with pytest.raises(RecipeError, match="cycle"):
         Graph(load_recipe(write(tmp_path, text)))
 

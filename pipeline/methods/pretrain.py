@@ -68,13 +68,18 @@ class Pretrain(Stage):
         net = arch.build().to(ctx.torch_device)
         augment = None
         if self.augment is not None:
-            augment = InputAugment(random_resized_crop=self.augment.random_resized_crop,
-                                   crop_padding=self.augment.crop_padding, hflip=self.augment.hflip)
+            augment = InputAugment(
+                random_resized_crop=self.augment.random_resized_crop,
+                crop_padding=self.augment.crop_padding,
+                hflip=self.augment.hflip,
+            )
         decoder = Decoder(self.resolution, mean=IMAGENET_MEAN, std=IMAGENET_STD)
         stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch)
 
         def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for b in rechunk(stream.open("train", epoch=epoch, shuffle=True, seed=self.seed), self.batch_size):
+            for b in rechunk(
+                stream.open("train", epoch=epoch, shuffle=True, seed=self.seed), self.batch_size
+            ):
                 yield b["x"], b["y"]
 
         eval_split = "val" if "val" in data.splits else None
@@ -85,17 +90,31 @@ class Pretrain(Stage):
 
         def on_epoch(record: dict[str, Any]) -> None:
             ctx.metrics_log({"stage": name, **record})
-            ctx.progress.log(f"[{name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
-                             f"val acc {record.get('val_acc', float('nan')):.3f} "
-                             f"({record['epoch_seconds']:.1f}s)")
+            ctx.progress.log(
+                f"[{name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
+                f"val acc {record.get('val_acc', float('nan')):.3f} "
+                f"({record['epoch_seconds']:.1f}s)"
+            )
 
-        result = train(net, list(net.parameters()), train_batches, eval_batches if eval_split else None,
-                       self.train, checkpoint_dir=staging / "checkpoints", on_epoch=on_epoch,
-                       steps_per_epoch=-(-len(data.splits["train"]) // self.batch_size))
+        result = train(
+            net,
+            list(net.parameters()),
+            train_batches,
+            eval_batches if eval_split else None,
+            self.train,
+            checkpoint_dir=staging / "checkpoints",
+            on_epoch=on_epoch,
+            steps_per_epoch=-(-len(data.splits["train"]) // self.batch_size),
+        )
         best, _ = load_weights(staging / "checkpoints" / "best.pt") if eval_split else (net.state_dict(), {})
         net.load_state_dict(best)
-        meta = {"arch": self.arch, "num_classes": len(data.class_names), "class_names": data.class_names,
-                "best_val_acc": result.best_val_acc, "epochs": self.train.epochs}
+        meta = {
+            "arch": self.arch,
+            "num_classes": len(data.class_names),
+            "class_names": data.class_names,
+            "best_val_acc": result.best_val_acc,
+            "epochs": self.train.epochs,
+        }
         save_weights(net, staging / WEIGHTS_FILE, meta)
         for f in (staging / "checkpoints").glob("*"):
             f.unlink()
@@ -104,4 +123,6 @@ class Pretrain(Stage):
 
     def load(self, ctx: Any, entry: Any, name: str) -> ModelValue:
         state, meta = load_weights(Path(entry.path) / WEIGHTS_FILE)
-        return ModelValue(self._arch(int(meta["num_classes"])), state, f"pretrain entry {entry.fingerprint[:12]}")
+        return ModelValue(
+            self._arch(int(meta["num_classes"])), state, f"pretrain entry {entry.fingerprint[:12]}"
+        )

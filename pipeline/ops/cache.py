@@ -35,17 +35,24 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
     return {
         "kind": spec.kind,
         "num_classes": spec.num_classes,
-        "splits": {name: {"num_samples": s.num_samples,
-                          "fields": {k: [list(f.shape), f.dtype] for k, f in s.fields.items()}}
-                   for name, s in spec.splits.items()},
+        "splits": {
+            name: {
+                "num_samples": s.num_samples,
+                "fields": {k: [list(f.shape), f.dtype] for k, f in s.fields.items()},
+            }
+            for name, s in spec.splits.items()
+        },
         "meta": dict(spec.meta),
     }
 
 
 def spec_from_json(data: dict[str, Any]) -> Spec:
-    splits = {name: SplitSpec(s["num_samples"], {k: FieldSpec(tuple(shape), dtype)
-                                                 for k, (shape, dtype) in s["fields"].items()})
-              for name, s in data["splits"].items()}
+    splits = {
+        name: SplitSpec(
+            s["num_samples"], {k: FieldSpec(tuple(shape), dtype) for k, (shape, dtype) in s["fields"].items()}
+        )
+        for name, s in data["splits"].items()
+    }
     return Spec(data["kind"], data["num_classes"], splits, data["meta"])
 
 
@@ -93,9 +100,18 @@ class _BackgroundWriter:
 ZARR_DIR, H5_FILE = "data.zarr", "entry.h5"
 
 
-def write_stream(stream: Stream, entry_dir: Path, *, chunk_bytes: int, compressor: str, level: int,
-                 attrs: dict[str, Any], fmt: str = "zarr", progress: Any = None,
-                 log: Any = None) -> dict[str, Any]:
+def write_stream(
+    stream: Stream,
+    entry_dir: Path,
+    *,
+    chunk_bytes: int,
+    compressor: str,
+    level: int,
+    attrs: dict[str, Any],
+    fmt: str = "zarr",
+    progress: Any = None,
+    log: Any = None,
+) -> dict[str, Any]:
     """Write every split of ``stream`` into ``entry_dir`` (zarr v3 ``data.zarr`` or HDF5 ``entry.h5``).
 
     A zarr build resumes: chunks a killed or interrupted build already wrote (and that
@@ -106,8 +122,11 @@ def write_stream(stream: Stream, entry_dir: Path, *, chunk_bytes: int, compresso
     """
     spec = stream.spec
     chunk = chunk_samples_for(spec, chunk_bytes)
-    arrays = {f"{split}/{name}": ArraySpec(tuple(f.shape), f.dtype)
-              for split, s in spec.splits.items() for name, f in s.fields.items()}
+    arrays = {
+        f"{split}/{name}": ArraySpec(tuple(f.shape), f.dtype)
+        for split, s in spec.splits.items()
+        for name, f in s.fields.items()
+    }
     counts = {split: s.num_samples for split, s in spec.splits.items()}
     attrs = {**attrs, SPEC_ATTR: spec_to_json(spec)}
     writer: Any
@@ -115,11 +134,22 @@ def write_stream(stream: Stream, entry_dir: Path, *, chunk_bytes: int, compresso
         leftover = entry_dir / H5_FILE
         if leftover.exists():
             leftover.unlink()
-        writer = H5Writer(entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level)
+        writer = H5Writer(
+            entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level
+        )
     else:
         # "wipe": a leftover written with other chunking/codec settings is rebuilt, never mixed in.
-        writer = ZarrWriter(entry_dir / ZARR_DIR, arrays, counts, chunk, attrs, compressor=compressor,
-                            level=level, resume=True, on_mismatch="wipe")
+        writer = ZarrWriter(
+            entry_dir / ZARR_DIR,
+            arrays,
+            counts,
+            chunk,
+            attrs,
+            compressor=compressor,
+            level=level,
+            resume=True,
+            on_mismatch="wipe",
+        )
     done = {split: writer.resume_samples(split) if fmt == "zarr" else 0 for split in spec.splits}
     if any(done.values()) and log is not None:
         kept = ", ".join(f"{split} {n}/{counts[split]}" for split, n in done.items())
@@ -141,8 +171,13 @@ def write_stream(stream: Stream, entry_dir: Path, *, chunk_bytes: int, compresso
     finally:
         background.finish()
     writer.close()
-    return {"chunk_samples": chunk, "compressor": compressor, "level": level, "format": fmt,
-            "resumed_samples": sum(done.values())}
+    return {
+        "chunk_samples": chunk,
+        "compressor": compressor,
+        "level": level,
+        "format": fmt,
+        "resumed_samples": sum(done.values()),
+    }
 
 
 def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
@@ -171,9 +206,17 @@ class StoredStream(Stream):
     chunks on training passes.
     """
 
-    def __init__(self, path: Path, *, size_bytes: int = 0, prefetch_depth: int = 2,
-                 window_chunks: int = 4, throttle: str | None = None, hold: Any = None,
-                 prefetch_max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        size_bytes: int = 0,
+        prefetch_depth: int = 2,
+        window_chunks: int = 4,
+        throttle: str | None = None,
+        hold: Any = None,
+        prefetch_max_bytes: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.prefetch_max_bytes = prefetch_max_bytes
         self.reader = open_entry_reader(self.path, throttle=throttle)
@@ -208,8 +251,9 @@ class StoredStream(Stream):
             self.stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
             yield batch
 
-    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
-             start: int = 0) -> Iterator[Batch]:
+    def open(
+        self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
         self.spec.split(split, stage=str(self.path))
         n_chunks = self.reader.num_chunks(split)
         if shuffle:
@@ -230,5 +274,6 @@ class StoredStream(Stream):
                 yield batch
             return
         per_chunk = max(1, self.spec.splits[split].num_samples // max(1, n_chunks))
-        yield from window_shuffle(chunks, self.window_chunks * per_chunk, seed=seed * 7919 + epoch,
-                                  out_size=per_chunk)
+        yield from window_shuffle(
+            chunks, self.window_chunks * per_chunk, seed=seed * 7919 + epoch, out_size=per_chunk
+        )

@@ -19,7 +19,7 @@ LEVELS = {"zstd": (1, 22), "blosc": (0, 9), "gzip": (0, 9)}
 
 @register
 class Cache(Stage):
-    """Write-through to the store as sample-chunked zarr v3 (or HDF5); later runs read it without upstream work."""
+    """Write-through to the store as sample-chunked zarr v3 or HDF5; later runs read it, no upstream work."""
 
     type_name: ClassVar[str] = "cache"
     kind: ClassVar[str] = STREAM
@@ -27,27 +27,34 @@ class Cache(Stage):
     cacheable: ClassVar[bool] = True
     resumable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "prefetch_max_bytes", "window_chunks",
-                                                                  "read_through"})
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through"}
+    )
 
     input: str
     format: Literal["zarr", "hdf5"] = "zarr"
     chunk_bytes: int = Field(1 << 20, ge=1024, description="target bytes per chunk (~1 MiB suits SD cards)")
     compressor: Literal["zstd", "blosc", "gzip", "lzf", "none"] | None = Field(
-        None, description="lossless codec on top of quantization; default zstd (zarr) / gzip (hdf5)")
+        None, description="lossless codec on top of quantization; default zstd (zarr) / gzip (hdf5)"
+    )
     level: int = Field(3, ge=0, le=22)
     prefetch: int = Field(2, ge=0, description="chunks read ahead while training")
     prefetch_max_bytes: int | None = Field(None, ge=1, description="cap on the bytes of chunks read ahead")
-    window_chunks: int = Field(4, ge=1, description="shuffle window in chunks: larger = more random, more memory")
+    window_chunks: int = Field(
+        4, ge=1, description="shuffle window in chunks: larger = more random, more memory"
+    )
     read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
-        None, description="simulate slow storage when reading (benchmarks, tests); zarr only")
+        None, description="simulate slow storage when reading (benchmarks, tests); zarr only"
+    )
 
     @model_validator(mode="after")
     def _codec_fits_backend(self) -> Cache:
         codec = self.codec
         if codec not in COMPRESSORS[self.format]:
-            raise ValueError(f"compressor {codec!r} is not available for format {self.format!r}; "
-                             f"expected one of {list(COMPRESSORS[self.format])}")
+            raise ValueError(
+                f"compressor {codec!r} is not available for format {self.format!r}; "
+                f"expected one of {list(COMPRESSORS[self.format])}"
+            )
         lo, hi = LEVELS.get(codec, (0, 22))
         if codec in LEVELS and not lo <= self.level <= hi:
             raise ValueError(f"level {self.level} is out of range for {codec}: expected {lo}..{hi}")
@@ -70,17 +77,34 @@ class Cache(Stage):
         stream = inputs["input"]
         total = sum(s.num_samples for s in stream.spec.splits.values())
         # Lineage holds no timestamps: a resumed build must be bit-identical to an uninterrupted one.
-        lineage = {"stage": name, "fingerprint": ctx.fingerprints.get(name), "recipe": ctx.recipe_name,
-                   "meta": dict(stream.spec.meta)}
+        lineage = {
+            "stage": name,
+            "fingerprint": ctx.fingerprints.get(name),
+            "recipe": ctx.recipe_name,
+            "meta": dict(stream.spec.meta),
+        }
         with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
-            return write_stream(stream, staging, chunk_bytes=self.chunk_bytes, compressor=self.codec,
-                                level=self.level, attrs={"lineage": lineage}, fmt=self.format, progress=bar,
-                                log=lambda msg: ctx.progress.log(f"[{name}] {msg}"))
+            return write_stream(
+                stream,
+                staging,
+                chunk_bytes=self.chunk_bytes,
+                compressor=self.codec,
+                level=self.level,
+                attrs={"lineage": lineage},
+                fmt=self.format,
+                progress=bar,
+                log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
+            )
 
     def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
-        return StoredStream(Path(entry.path), size_bytes=entry.size_bytes, prefetch_depth=self.prefetch,
-                            window_chunks=self.window_chunks, throttle=self.read_through,
-                            prefetch_max_bytes=self.prefetch_max_bytes)
+        return StoredStream(
+            Path(entry.path),
+            size_bytes=entry.size_bytes,
+            prefetch_depth=self.prefetch,
+            window_chunks=self.window_chunks,
+            throttle=self.read_through,
+            prefetch_max_bytes=self.prefetch_max_bytes,
+        )
 
     def chunk_samples(self, spec: Spec) -> int:
         return chunk_samples_for(spec, self.chunk_bytes)

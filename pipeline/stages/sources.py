@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from ..data.identity import hash_json
 from ..data.sampleset import SampleSet
 from ..data.sources import cifar10, cifar100, digits, fashion_mnist, image_folder, synthetic
-from ..data.identity import hash_json
 from ..registry import register
 from ..spec import DATASET, Spec, SplitSpec
 from ..stage import Stage
@@ -118,4 +118,6 @@ class Synthetic(SourceStage):
     seed: int = 0
 
     def load_sets(self) -> dict[str, SampleSet]:
-        return synthetic(self.num_samples, self.num_classes, self.size, channels=self.channels, seed=self.seed)
+        return synthetic(
+            self.num_samples, self.num_classes, self.size, channels=self.channels, seed=self.seed
+        )
