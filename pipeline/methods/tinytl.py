@@ -57,6 +57,32 @@ def lite_kernel(resolution: int, downsample: int, kernel: int) -> tuple[int, int
     return max(kernel, 1), downsample
 
 
+class MeanPool2d(nn.Module):
+    """Average pooling by ``factor`` (floor, like ``AvgPool2d(factor, factor)``), or global for ``None``.
+
+    Written as reshape + mean because ``AvgPool2d``/``AdaptiveAvgPool2d`` keep their (full-resolution)
+    input for backward although the gradient only needs its shape; the lite branch reads the block
+    input, which TinyTL otherwise never stores.
+    """
+
+    def __init__(self, factor: int | None) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.factor is None:
+            return x.mean((2, 3), keepdim=True)
+        f = self.factor
+        if f == 1:
+            return x
+        n, c, h, w = x.shape
+        h2, w2 = h // f, w // f
+        return x[:, :, :h2 * f, :w2 * f].reshape(n, c, h2, f, w2, f).mean((3, 5))
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor}"
+
+
 class LiteResidual(nn.Module):
     """The lite residual branch: pool, group conv, GN, ReLU, 1x1 conv, GN (scale 0), bilinear upsample."""
 
@@ -66,13 +92,7 @@ class LiteResidual(nn.Module):
         super().__init__()
         mid = max(1, int(round(in_channels * expand)))
         g = math.gcd(math.gcd(groups, in_channels), mid)
-        if downsample is None:
-            pool: nn.Module = nn.AdaptiveAvgPool2d(1)
-        elif downsample > 1:
-            pool = nn.AvgPool2d(downsample, downsample)
-        else:
-            pool = nn.Identity()
-        self.pool = pool
+        self.pool = MeanPool2d(downsample)
         self.conv1 = nn.Conv2d(in_channels, mid, kernel, stride, kernel // 2, groups=g, bias=False)
         self.norm1 = nn.GroupNorm(gn_groups(mid, gn_channels_per_group), mid)
         self.act = PackedReLU()

@@ -227,7 +227,8 @@ class Footprint:
                     + (f", {human_bytes(self.total_measured_bytes)} measured"
                        if self.total_measured_bytes is not None else ""))
         if self.measured_flops_forward is not None:
-            rows.append(f"forward FLOPs measured by FlopCounterMode: {self.measured_flops_forward / 1e6:.2f} M")
+            mflops = self.measured_flops_forward / 1e6
+            rows.append(f"forward FLOPs measured by FlopCounterMode: {mflops:.2f} M")
         return "\n".join(rows)
 
 

@@ -85,6 +85,14 @@ class FrozenForward(Stage):
     calibration_batches: int = Field(8, ge=1, description="int8: batches observed to set activation ranges")
     calibration_split: str = Field("train", description="int8: split the calibration batches come from")
 
+    def fingerprint_config(self) -> dict[str, Any]:
+        """Calibration settings matter only to int8: an fp32/bf16 bottom ignores them, and so does its key."""
+        config = super().fingerprint_config()
+        if self.precision != "int8":
+            config.pop("calibration_batches", None)
+            config.pop("calibration_split", None)
+        return config
+
     def identity(self, ctx: Any) -> str | None:
         if self.precision != "int8":
             return None

@@ -18,6 +18,7 @@ top through the feature cache, which is how mixed precision and Cache & Reuse co
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -34,6 +35,30 @@ from .graph import CutPoint, LayerGraph, layer_graph
 from .search import SearchConfig, nsga2, robustness
 
 PARTITION_FILE = "partition.json"
+
+
+class Partition(Mapping[str, Any]):
+    """The stored search result, read-only. A Mapping rather than a dict on purpose: the run report
+    treats dict-valued results as trainer metrics (accuracy, epoch time), which a search result is not."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def summary(self) -> str:
+        return (f"cut after {self['cut_layer']} ({self['quantized_layers']}/{len(self['layers'])} layers "
+                f"int8, train_last_blocks {self['train_last_blocks']}): "
+                f"acc {self['selected']['accuracy']:.3f} vs best {self['best_accuracy']:.3f}, "
+                f"float {self['float_accuracy']:.3f}; "
+                f"{self['evaluations']} evaluations in {self['seconds']:.0f}s")
 
 
 def candidate_cuts(lg: LayerGraph, granularity: str) -> dict[int, CutPoint]:
@@ -179,20 +204,17 @@ class PartitionSearch(Stage):
             **result.to_dict(),
         }
         (staging / PARTITION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
-        ctx.progress.log(f"[{name}] cut after {payload['cut_layer']} ({sel.quantized_layers}/{len(layers)} "
-                         f"layers int8, train_last_blocks {payload['train_last_blocks']}): acc "
-                         f"{sel.accuracy:.3f} vs "
-                         f"best {result.best_accuracy:.3f}, float {float_accuracy:.3f}; {result.evaluations} "
-                         f"evaluations in {result.seconds:.0f}s")
         return {"cut_layer": payload["cut_layer"], "train_last_blocks": payload["train_last_blocks"],
                 "evaluations": result.evaluations}
 
-    def load(self, ctx: Any, entry: Any, name: str) -> dict[str, Any]:
+    def load(self, ctx: Any, entry: Any, name: str) -> Partition:
         path = Path(entry.path) / PARTITION_FILE
         try:
-            return json.loads(path.read_text())
+            partition = Partition(json.loads(path.read_text()))
         except (OSError, ValueError) as exc:
             raise ModelError(f"stage {name!r}: cannot read the stored partition {path}: {exc}") from None
+        ctx.progress.log(f"[{name}] {partition.summary()}")
+        return partition
 
 
 @register

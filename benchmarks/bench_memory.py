@@ -1,0 +1,250 @@
+"""Training memory and step time of MobileTL, TinyTL and their baselines (issue: memory-efficient trainers).
+
+Three tables, each variant metered by ``pipeline.models.memory.footprint`` (analytic bytes in the
+papers' convention and the bytes PyTorch really saves for backward) and timed on this CPU:
+
+1. ``blocks``: the MobileTL paper's block setting — input and output (8, 96, 7, 7), 5x5 depthwise
+   kernel — for a plain conv block (conv-BN-ReLU6), a MobileNetV2 IRB and a MobileNetV3 IRB (with SE,
+   Hard-Swish) at expansion ratios 1 and 6, vanilla and MobileTL (three variants). Each block is
+   metered as it sits inside a network: a gradient flows out of its input. Paper: MobileTL stores
+   46.3% (V2) and 53.3% (V3) less at expansion 6.
+2. ``imagenet``: MobileNetV2 (width 1.0) at 224x224, batch 8, the whole network trainable: FT-Full,
+   FT-Norm+Last, FT-Last, TinyTL-B, TinyTL-L, TinyTL-L+B, MobileTL (TinyTL paper: up to 6.5x less
+   training memory than FT-Full; lite residuals a few percent).
+3. ``fashion``: the Fashion-MNIST transfer setting of the recipes (MobileNetV2 width 0.5, 32x32,
+   the last 7 blocks from a cache, batch 32): every method of recipes/mobiletl and recipes/tinytl.
+
+Step time: the fastest of ``--steps`` timed steps (forward, backward, AdamW step) after two warm-up
+steps, on random data, ``torch.set_num_threads(--threads)``. The CPU is shared with other jobs, and
+the fastest step is the one they disturbed least; times are indicative, memory numbers are exact.
+
+Usage: python -m benchmarks.bench_memory [--steps 5] [--threads 1] [--skip-imagenet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torchvision.models import mobilenetv2, mobilenetv3
+from torchvision.ops.misc import Conv2dNormActivation
+
+from benchmarks._meta import write_result
+from pipeline.methods.finetune import Finetune
+from pipeline.methods.mobiletl import mobiletl_block
+from pipeline.models.memory import Footprint, footprint, human_bytes
+from pipeline.models.zoo import build_backbone, feature_shape
+
+PAPER_REDUCTION = {"v2": 0.463, "v3": 0.533}
+METHODS: dict[str, Any] = {
+    "ft_full": "ft_full",
+    "vanilla": "vanilla",
+    "ft_norm_last": "ft_norm_last",
+    "ft_last": "ft_last",
+    "tinytl_b": {"type": "tinytl", "mode": "bias"},
+    "tinytl_l": {"type": "tinytl", "mode": "lite"},
+    "tinytl_lb": {"type": "tinytl", "mode": "lite_bias"},
+    "tinytl_lb_gn": {"type": "tinytl", "mode": "lite_bias", "replace_bn_with_gn": True},
+    "mobiletl": {"type": "mobiletl", "variant": "proj-bn"},
+    "mobiletl_all_shift": {"type": "mobiletl", "variant": "all-bn-shift"},
+    "mobiletl_all_bn": {"type": "mobiletl", "variant": "all-bn"},
+}
+
+
+def step_ms(model: nn.Module, shape: tuple[int, ...], steps: int, *, classification: bool = True,
+            input_requires_grad: bool = False) -> float:
+    """Fastest wall time of one training step (forward, backward, AdamW step), in milliseconds."""
+    work = copy.deepcopy(model).train()
+    params = [p for p in work.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).requires_grad_(input_requires_grad)
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        out = work(x)
+        if classification:
+            loss = nn.functional.cross_entropy(out, torch.randint(0, out.shape[1], (shape[0],), generator=g))
+        else:
+            loss = out.square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1000)
+    return min(times)
+
+
+# ------------------------------------------------------------------------------------- blocks
+def conv_block() -> nn.Module:
+    return Conv2dNormActivation(96, 96, kernel_size=5, activation_layer=nn.ReLU6)
+
+
+def v2_block(t: int) -> nn.Module:
+    b = mobilenetv2.InvertedResidual(96, 96, 1, t)
+    dw = b.conv[-3][0]  # torchvision's V2 uses 3x3; the paper's setting is 5x5
+    b.conv[-3][0] = nn.Conv2d(dw.in_channels, dw.out_channels, 5, 1, 2, groups=dw.groups, bias=False)
+    return b
+
+
+def v3_block(t: int) -> nn.Module:
+    cnf = mobilenetv3.InvertedResidualConfig(96, 5, 96 * t, 96, True, "HS", 1, 1, 1.0)
+    return mobilenetv3.InvertedResidual(cnf, partial(nn.BatchNorm2d, eps=0.001, momentum=0.01))
+
+
+def block_table(steps: int) -> list[dict[str, Any]]:
+    shape = (8, 96, 7, 7)
+    rows = []
+
+    def add(block: str, t: int | None, method: str, module: nn.Module) -> None:
+        torch.manual_seed(0)
+        fp = footprint(module, shape, input_requires_grad=True)
+        rows.append({"block": block, "expansion": t, "method": method,
+                     "activation_bytes": fp.activation_bytes, "measured_bytes": fp.measured_bytes,
+                     "measured_over_analytic": fp.measured_bytes / fp.activation_bytes,
+                     "parameters": sum(p.numel() for p in module.parameters()),
+                     "step_ms": step_ms(module, shape, steps, classification=False,
+                                        input_requires_grad=True)})
+
+    add("conv", None, "vanilla", conv_block())
+    for kind, make in (("v2", v2_block), ("v3", v3_block)):
+        for t in (1, 6):
+            add(kind, t, "vanilla", make(t))
+            for variant in ("proj-bn", "all-bn-shift", "all-bn"):
+                b = make(t)
+                mobiletl_block(b, variant)  # type: ignore[arg-type]
+                add(kind, t, f"mobiletl:{variant}", b)
+    base = {(r["block"], r["expansion"]): r["activation_bytes"] for r in rows if r["method"] == "vanilla"}
+    for r in rows:
+        r["reduction_vs_vanilla"] = 1 - r["activation_bytes"] / base[(r["block"], r["expansion"])]
+    return rows
+
+
+# --------------------------------------------------------------------------------- networks
+def network_row(name: str, method: Any, *, arch: str, width: float, small_input: bool, resolution: int,
+                n: int, batch: int, classes: int, mode: str, steps: int) -> dict[str, Any]:
+    stage = Finetune(model="m", images="i", mode="single_stage", train_last_blocks=n, method=method)
+    torch.manual_seed(0)
+    net = build_backbone(arch, classes, width_mult=width, small_input=small_input)
+    in_shape = (3, resolution, resolution) if n == len(net.blocks) else feature_shape(net, n, resolution)
+    bottom, top, adapted = stage.prepare(net, n, classes, in_shape)
+    frozen = sum(t.numel() * t.element_size() for t in [*bottom.parameters(), *bottom.buffers()]) \
+        if mode == "single_stage" else 0
+    fp: Footprint = footprint(top, (batch, *in_shape), num_classes=classes, frozen_bytes=frozen,
+                              label=adapted.method)
+    return {"row": name, "method": adapted.method, "train_last_blocks": n, "input": [batch, *in_shape],
+            "trainable_parameters": fp.trainable_parameters, "activation_bytes": fp.activation_bytes,
+            "measured_bytes": fp.measured_bytes, "parameter_bytes": fp.parameter_bytes,
+            "gradient_bytes": fp.gradient_bytes, "optimizer_bytes": fp.optimizer_bytes,
+            "total_bytes": fp.total_bytes, "total_measured_bytes": fp.total_measured_bytes,
+            "flops_forward": fp.flops_forward, "flops_backward": fp.flops_backward,
+            "details": adapted.details, "step_ms": step_ms(top, (batch, *in_shape), steps)}
+
+
+def imagenet_table(steps: int) -> list[dict[str, Any]]:
+    names = ["ft_full", "ft_norm_last", "ft_last", "tinytl_b", "tinytl_l", "tinytl_lb", "tinytl_lb_gn",
+             "mobiletl", "mobiletl_all_shift", "mobiletl_all_bn"]
+    rows = [network_row(k, METHODS[k], arch="mobilenet_v2", width=1.0, small_input=False, resolution=224,
+                        n=19, batch=8, classes=10, mode="single_stage", steps=steps) for k in names]
+    return _ratios(rows, "ft_full")
+
+
+def fashion_table(steps: int) -> list[dict[str, Any]]:
+    names = ["vanilla", "ft_norm_last", "ft_last", "tinytl_b", "tinytl_l", "tinytl_lb", "mobiletl",
+             "mobiletl_all_shift", "mobiletl_all_bn"]
+    rows = [network_row(k, METHODS[k], arch="mobilenet_v2", width=0.5, small_input=True, resolution=32, n=7,
+                        batch=32, classes=5, mode="two_stage", steps=steps) for k in names]
+    return _ratios(rows, "vanilla")
+
+
+def _ratios(rows: list[dict[str, Any]], ref: str) -> list[dict[str, Any]]:
+    base = next(r for r in rows if r["row"] == ref)
+    for r in rows:
+        r["total_saving_vs_" + ref] = base["total_bytes"] / r["total_bytes"]
+        r["activation_saving_vs_" + ref] = base["activation_bytes"] / max(1, r["activation_bytes"])
+        r["step_time_vs_" + ref] = r["step_ms"] / base["step_ms"]
+    return rows
+
+
+def print_network(title: str, rows: list[dict[str, Any]], ref: str) -> None:
+    print(f"\n{title}")
+    print(f"{'row':<20}{'trained':>11}{'act analytic':>14}{'act measured':>14}{'weights':>11}{'grad+opt':>11}"
+          f"{'total':>11}{'saving':>8}{'GFLOPs f/b':>14}{'step ms':>9}")
+    for r in rows:
+        print(f"{r['row']:<20}{r['trainable_parameters']:>11,}{human_bytes(r['activation_bytes']):>14}"
+              f"{human_bytes(r['measured_bytes']):>14}{human_bytes(r['parameter_bytes']):>11}"
+              f"{human_bytes(r['gradient_bytes'] + r['optimizer_bytes']):>11}"
+              f"{human_bytes(r['total_bytes']):>11}"
+              f"{r['total_saving_vs_' + ref]:>7.2f}x"
+              f"{r['flops_forward'] / 1e9:>7.2f}/{r['flops_backward'] / 1e9:<6.2f}{r['step_ms']:>9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7, help="timed training steps per variant (fastest counts)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU is shared)")
+    ap.add_argument("--skip-imagenet", action="store_true", help="skip the 224x224 MobileNetV2 table")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    blocks = block_table(args.steps)
+    print("blocks: (8, 96, 7, 7) in and out, 5x5 depthwise; activations stored for backward")
+    print(f"{'block':<6}{'t':>3}  {'method':<22}{'analytic':>12}{'measured':>12}{'meas/ana':>9}"
+          f"{'reduction':>10}{'step ms':>9}")
+    for r in blocks:
+        print(f"{r['block']:<6}{r['expansion'] or '-':>3}  {r['method']:<22}"
+              f"{human_bytes(r['activation_bytes']):>12}"
+              f"{human_bytes(r['measured_bytes']):>12}{r['measured_over_analytic']:>9.3f}"
+              f"{r['reduction_vs_vanilla']:>9.1%}{r['step_ms']:>9.1f}")
+    by = {(r["block"], r["expansion"], r["method"]): r for r in blocks}
+    findings: dict[str, Any] = {}
+    for kind in ("v2", "v3"):
+        red = by[(kind, 6, "mobiletl:proj-bn")]["reduction_vs_vanilla"]
+        findings[f"{kind}_t6_reduction"] = red
+        findings[f"{kind}_t6_reduction_paper"] = PAPER_REDUCTION[kind]
+        findings[f"{kind}_t6_near_paper"] = abs(red - PAPER_REDUCTION[kind]) <= 0.015
+        findings[f"{kind}_mobiletl_measured_within_10pct"] = all(
+            abs(by[(kind, t, "mobiletl:proj-bn")]["measured_over_analytic"] - 1) <= 0.10 for t in (1, 6))
+
+    imagenet = [] if args.skip_imagenet else imagenet_table(args.steps)
+    if imagenet:
+        print_network("MobileNetV2 1.0, 224x224, batch 8, whole network (TinyTL paper's setting)", imagenet,
+                      "ft_full")
+        ib = {r["row"]: r for r in imagenet}
+        total = {k: v["total_bytes"] for k, v in ib.items()}
+        findings["tinytl_lb_saving_vs_ft_full"] = total["ft_full"] / total["tinytl_lb"]
+        findings["tinytl_b_saving_vs_ft_full"] = total["ft_full"] / total["tinytl_b"]
+        findings["lite_overhead_vs_tinytl_b"] = total["tinytl_lb"] / total["tinytl_b"] - 1
+        findings["lite_overhead_vs_ft_full"] = (total["tinytl_lb"] - total["tinytl_b"]) / total["ft_full"]
+        act = {k: v["activation_bytes"] for k, v in ib.items()}
+        lite_act = act["tinytl_lb"] - act["tinytl_b"]
+        findings["lite_activation_overhead_vs_ft_full"] = lite_act / act["ft_full"]
+    fashion = fashion_table(args.steps)
+    print_network("Fashion-MNIST transfer setting: MobileNetV2 0.5, 32x32, last 7 blocks from a cache, "
+                  "batch 32", fashion, "vanilla")
+    print(f"findings: {findings}")
+    path = write_result("memory", {
+        "question": "training memory (analytic and measured) and step time of MobileTL, TinyTL and baselines",
+        "settings": {"steps": args.steps, "torch_threads": torch.get_num_threads(),
+                     "blocks": "input/output (8, 96, 7, 7), 5x5 depthwise, gradient flows out of the input",
+                     "imagenet": "mobilenet_v2 width 1.0, 224x224, batch 8, 10 classes, all 19 blocks, AdamW",
+                     "fashion": "mobilenet_v2 width 0.5, small_input, 32x32, last 7 blocks (two-stage), "
+                                "batch 32, 5 classes, AdamW",
+                     "convention": "analytic: inputs of trained conv/linear/norm at 32 bit, ReLU masks "
+                                   "1 bit, h-swish/sigmoid/SE inputs 32 bit; total = weights + grads + "
+                                   "AdamW + activations"},
+        "blocks": blocks,
+        "imagenet": imagenet,
+        "fashion": fashion,
+        "findings": findings,
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
