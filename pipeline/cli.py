@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a recipe without running it")
     recipe_args(val, store=False)
     sub.add_parser("stages", help="list the registered stage types and their settings")
+    mem = sub.add_parser("memory", help="training memory (analytic and measured) and FLOPs of each trainer")
+    recipe_args(mem)
+    mem.add_argument("--json", action="store_true", help="machine-readable output")
     cache_cli.add_parser(sub)
     return p
 
@@ -192,6 +195,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from .models.memory import memory_report
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    text, data = memory_report(recipe, _context(args, recipe, output=None, quiet=True))
+    print(json.dumps(data, indent=2, default=float) if args.json else text)
+    return EXIT_OK
+
+
 def cmd_stages(args: argparse.Namespace) -> int:
     from .registry import stage_types
 
@@ -211,6 +224,7 @@ COMMANDS = {
     "plan": cmd_plan,
     "validate": cmd_validate,
     "stages": cmd_stages,
+    "memory": cmd_memory,
     "cache": cmd_cache,
 }
 

@@ -195,3 +195,9 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
         [sys.executable, "-m", "pipeline", "validate", QUICKSTART], capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_memory_command_reports_every_trainer(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    assert run_cli("memory", QUICKSTART, "--store", str(quick_runs["store"]), "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["stages"]) >= {"two_stage", "baseline"}
