@@ -1,0 +1,155 @@
+"""Local learning of one block: each layer steps on its own auxiliary loss.
+
+For every batch, the block's layers run in order; layer ``i`` gets the *detached* output
+of layer ``i-1``, computes its auxiliary head's cross-entropy, and takes an optimizer step.
+No gradient crosses a layer boundary, so only one layer's autograd graph exists at a time
+(what makes a block's memory ``statics + one layer's activations``). Classic local learning
+is the same loop over all layers as one block.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import DataError, ModelError
+from ..trainer import TrainConfig, make_optimizer
+from .aux import LocalLayer
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class BlockState:
+    """Where a block's training is: resumable from ``state_dict``/``load_state_dict``."""
+
+    layers: Sequence[LocalLayer]
+    optimizers: list[torch.optim.Optimizer]
+    epoch: int = 0  # epochs completed
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, layers: Sequence[LocalLayer], cfg: TrainConfig) -> BlockState:
+        return cls(layers, [make_optimizer(list(m.parameters()), cfg) for m in layers])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "history": self.history,
+            "layers": [m.state_dict() for m in self.layers],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for m, s in zip(self.layers, state["layers"], strict=True):
+            m.load_state_dict(s)
+        for o, s in zip(self.optimizers, state["optimizers"], strict=True):
+            o.load_state_dict(s)
+        self.epoch, self.history = int(state["epoch"]), list(state["history"])
+
+
+def local_step(
+    layers: Sequence[LocalLayer],
+    optimizers: Sequence[torch.optim.Optimizer],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: nn.Module,
+) -> tuple[list[float], list[int]]:
+    """One batch through the block: per layer (loss, correct predictions)."""
+    losses, correct = [], []
+    h = x
+    for m, opt in zip(layers, optimizers, strict=True):
+        out = m.layer(h)
+        logits = m.head(out)
+        loss = loss_fn(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().item())
+        correct.append(int((logits.detach().argmax(1) == y).sum()))
+        h = out.detach()  # the next layer learns from this output; no gradient flows back
+    return losses, correct
+
+
+def evaluate_heads(layers: Sequence[LocalLayer], batches: Batches) -> list[float]:
+    """Accuracy of every layer's auxiliary head (the exit after that layer)."""
+    for m in layers:
+        m.eval()
+    correct, n = [0] * len(layers), 0
+    with torch.no_grad():
+        for x, y in batches:
+            h = x
+            for i, m in enumerate(layers):
+                h = m.layer(h)
+                correct[i] += int((m.head(h).argmax(1) == y).sum())
+            n += len(y)
+    if n == 0:
+        raise DataError("evaluation batches yielded no samples (is the validation split empty?)")
+    return [c / n for c in correct]
+
+
+def train_block(
+    state: BlockState,
+    train_batches: Callable[[int], Batches],
+    eval_batches: Callable[[], Batches] | None,
+    cfg: TrainConfig,
+    *,
+    steps_per_epoch: int,
+    layer_names: Sequence[str],
+    on_epoch: Callable[[BlockState, dict[str, Any]], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> BlockState:
+    """Train the block from ``state.epoch`` to ``cfg.epochs``; ``on_epoch`` can checkpoint ``state``."""
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    while state.epoch < cfg.epochs:
+        epoch = state.epoch
+        for m in state.layers:
+            m.train()
+        t0 = time.perf_counter()
+        loss_sum = [0.0] * len(state.layers)
+        correct = [0] * len(state.layers)
+        samples = 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed * 1_000_003 + epoch)
+            for step, (x, y) in enumerate(train_batches(epoch)):
+                lr = cfg.lr_at(epoch + min(step / max(1, steps_per_epoch), 1.0))
+                for opt in state.optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                y = y.long()
+                losses, hits = local_step(state.layers, state.optimizers, x, y, loss_fn)
+                for i, (loss, hit) in enumerate(zip(losses, hits, strict=True)):
+                    if not math.isfinite(loss):
+                        raise ModelError(
+                            f"local training of {layer_names[i]} diverged: loss {loss} at epoch "
+                            f"{epoch}, step {step} (lr {lr:.3g}); lower train.lr"
+                        )
+                    loss_sum[i] += loss * len(y)
+                    correct[i] += hit
+                samples += len(y)
+                if progress is not None:
+                    progress(len(y))
+        if samples == 0:
+            raise DataError(f"the training split yielded no batches at epoch {epoch}")
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "epoch_seconds": time.perf_counter() - t0,
+            "samples": samples,
+            "train_loss": [s / samples for s in loss_sum],
+            "train_acc": [c / samples for c in correct],
+        }
+        if eval_batches is not None:
+            t1 = time.perf_counter()
+            record["val_acc"] = evaluate_heads(state.layers, eval_batches())
+            record["eval_seconds"] = time.perf_counter() - t1
+        state.epoch += 1
+        state.history.append(record)
+        if on_epoch is not None:
+            on_epoch(state, record)
+    return state
