@@ -175,3 +175,12 @@ def test_exported_model_matches_the_toolkit_model(tmp_path) -> None:
     with torch.no_grad():
         assert torch.allclose(loaded(x), compact(x), atol=1e-5)
     assert count_parameters(compact) < count_parameters(net)
+
+
+def test_a_layer_joins_a_block_only_if_the_block_batch_stays_within_rho() -> None:
+    fits = [fit(f"l{i}", 1, 300) for i in range(4)]  # each alone: batch 128 (the cap)
+    blocks = partition(fits, 1000, cap=128, rho=0.4)
+    # three together: (1000 - 900) // 1 = 100 >= 0.6 * 128; a fourth would not fit at all
+    assert [(b.layers, b.batch_size) for b in blocks] == [((0, 1, 2), 100), ((3,), 128)]
+    tight = partition(fits, 1000, cap=128, rho=0.1)  # 100 < 0.9 * 128: stop at two layers
+    assert [(b.layers, b.batch_size) for b in tight] == [((0, 1), 128), ((2, 3), 128)]

@@ -9,8 +9,9 @@
 One addition the paper leaves implicit: a block's layers train together, batch by batch,
 so their weights, gradients and optimizer states are all in memory while only one layer's
 activations are (each layer's graph is freed after its local step). A block is therefore
-also kept within ``M`` as a whole, ``sum(intercepts) + max(slopes) * b <= M``: its batch is
-lowered if needed, and a layer that would not fit next to the block's others starts a new one.
+also kept within ``M`` as a whole, ``sum(intercepts) + max(slopes) * b <= M``: a layer joins a
+block only if the block's batch under that rule stays within ``rho`` of its smallest per-layer
+batch (else it starts a new block), and the block's batch is the largest that fits the rule.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def partition(
     for group in group_by_batch(batches, rho):
         for i in group:  # split a group where its layers together would exceed the budget
             if blocks and blocks[-1][-1] == i - 1 and blocks[-1][0] >= group[0]:
-                together = [fits[j] for j in blocks[-1]] + [fits[i]]
-                if block_max_batch(together, budget, cap) >= 1:
+                members = [*blocks[-1], i]
+                together = [fits[j] for j in members]
+                # Joining must not cost the block more than rho of its smallest per-layer batch.
+                floor = max(1.0, (1 - rho) * min(batches[j] for j in members))
+                if block_max_batch(together, budget, cap) >= floor:
                     blocks[-1].append(i)
                     continue
             blocks.append([i])

@@ -20,7 +20,8 @@ from torch import nn
 
 from ...models.memory import footprint
 
-DEFAULT_BATCHES = (1, 2, 4, 8, 16)
+# From 2: batch norm cannot train on one sample of a 1x1 map (late VGG layers); b=1 is extrapolated.
+DEFAULT_BATCHES = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
