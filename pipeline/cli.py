@@ -120,6 +120,7 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
         recipe_name=recipe.name,
         recipe_path=recipe.source,
         progress=Progress(quiet=quiet),
+        recipe=recipe,
     )
 
 

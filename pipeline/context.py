@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stores.catalog import Catalog
 
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 @dataclass
@@ -29,6 +32,10 @@ class RunContext:
     progress: Progress = field(default_factory=lambda: Progress(quiet=True))
     # stage name -> fingerprint, filled by the runner so stages can record lineage
     fingerprints: dict[str, str] = field(default_factory=dict)
+    # The recipe being run, for stages that hand work to other processes: a Dask cache build
+    # re-creates the upstream graph on each worker from it (and reads recipe.executor). None:
+    # run everything in this process.
+    recipe: Recipe | None = None
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import MissingPathError, RecipeError, did_you_mean
 from .registry import stage_class
@@ -37,6 +37,55 @@ class RunConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: torch's choice")
 
 
+class ExecutorConfig(BaseModel):
+    """Where stage A's cache build runs: in this process (``local``) or on a Dask cluster (``dask``).
+
+    Never part of a fingerprint: where the work runs does not change what is stored, so a
+    cache built on a cluster is reused by a device's local run and the other way round.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: Literal["local", "dask"] = "local"
+    address: str | None = Field(
+        None,
+        description="dask: a running scheduler to use, e.g. tcp://HOST:8786 (workers must share the store)",
+    )
+    workers: int | None = Field(
+        None, ge=1, description="dask: start a local cluster of this many worker processes for the run"
+    )
+    threads_per_worker: int = Field(
+        1, ge=1, description="dask local cluster: partitions each worker runs at once"
+    )
+    torch_threads: int = Field(1, ge=1, description="dask: torch intra-op threads in each worker process")
+    retries: int = Field(
+        2, ge=0, description="dask: times a failed partition is retried before the build fails"
+    )
+    partition_chunks: int | None = Field(
+        None, ge=1, description="dask: cache chunks per task; default about 4 partitions per worker thread"
+    )
+    connect_timeout: float = Field(
+        10.0, gt=0, description="dask: seconds to wait for the scheduler at address"
+    )
+
+    @model_validator(mode="after")
+    def _where(self) -> ExecutorConfig:
+        if self.type == "dask" and self.address is None and self.workers is None:
+            raise ValueError(
+                "type: dask needs address (a running scheduler, e.g. tcp://HOST:8786) or workers "
+                "(start a local cluster of N worker processes)"
+            )
+        if self.type == "dask" and self.address is not None and self.workers is not None:
+            raise ValueError(
+                "type: dask takes address (use a running scheduler) or workers (start a local cluster), "
+                "not both"
+            )
+        if self.type == "local" and (self.address is not None or self.workers is not None):
+            raise ValueError(
+                "address and workers are only used with type: dask; set type: dask or remove them"
+            )
+        return self
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
     name: str
@@ -44,6 +93,7 @@ class Recipe(BaseModel):
     seed: int = 0
     store: StoreConfig = StoreConfig()
     run: RunConfig = RunConfig()
+    executor: ExecutorConfig = ExecutorConfig()
     stages: dict[str, Stage]
     targets: tuple[str, ...] | None = None
     source: str = Field("<recipe>", exclude=True)

@@ -7,6 +7,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from ..errors import StageError
+from ..fingerprint import is_cacheable
 from ..ops.cache import StoredStream, chunk_samples_for, write_stream
 from ..registry import register
 from ..spec import STREAM, Spec
@@ -15,6 +17,12 @@ from ..stage import Stage
 # Lossless codecs each backend has; the first is its default.
 COMPRESSORS = {"zarr": ("zstd", "blosc", "none"), "hdf5": ("gzip", "lzf", "none")}
 LEVELS = {"zstd": (1, 22), "blosc": (0, 9), "gzip": (0, 9)}
+
+
+def _executor(ctx: Any) -> str:
+    """The recipe's executor type; "local" when the context carries no recipe (tests, library use)."""
+    recipe = getattr(ctx, "recipe", None)
+    return "local" if recipe is None else recipe.executor.type
 
 
 @register
@@ -67,6 +75,11 @@ class Cache(Stage):
         return self.compressor or COMPRESSORS[self.format][0]
 
     def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+        if self.format == "hdf5" and _executor(ctx) == "dask":
+            raise StageError(
+                "format: hdf5 cannot be built with executor.type: dask (one HDF5 file cannot be written by "
+                "several processes); use format: zarr or executor.type: local"
+            )
         return inputs["input"]
 
     def estimate_bytes(self, spec: Spec) -> int | None:
@@ -83,6 +96,15 @@ class Cache(Stage):
             "recipe": ctx.recipe_name,
             "meta": dict(stream.spec.meta),
         }
+        if _executor(ctx) == "dask":
+            if is_cacheable(ctx.fingerprints.get(name, "")):
+                return self._build_on_dask(ctx, stream.spec, staging, name, {"lineage": lineage})
+            # Workers prove they compute the same data by recomputing its fingerprint; an input
+            # that cannot be fingerprinted gives them nothing to check against.
+            ctx.progress.log(
+                f"[{name}] building in this process, not on Dask: its input cannot be fingerprinted, "
+                "so workers could not be checked to compute the same data"
+            )
         with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
             return write_stream(
                 stream,
@@ -95,6 +117,18 @@ class Cache(Stage):
                 progress=bar,
                 log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
             )
+
+    def _build_on_dask(
+        self, ctx: Any, spec: Spec, staging: Path, name: str, attrs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Each Dask worker computes and writes its own chunks; the input stream is never pulled here."""
+        from ..executors.dask_build import build_on_dask
+        from ..executors.layout import cache_layout
+
+        layout = cache_layout(
+            spec, chunk_bytes=self.chunk_bytes, compressor=self.codec, level=self.level, attrs=attrs
+        )
+        return build_on_dask(ctx, name=name, input_name=self.input, spec=spec, staging=staging, layout=layout)
 
     def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
         return StoredStream(

@@ -1,0 +1,287 @@
+"""One partition of a Dask cache build, as it runs on a worker.
+
+The worker re-creates the recipe's graph from the resolved recipe and the store path,
+so the upstream entries the client made sure of (the pretrained backbone, say) are
+read from the store, never rebuilt, and it keeps that graph per process, so the frozen
+model is loaded once per worker, not once per partition. It then pulls only its
+partition's samples (``stream.open(split, start=...)``) and writes whole chunks straight
+into the staging hierarchy through ``DurableLocalStore`` (temp file, fsync, rename): a
+worker killed mid-write leaves each chunk absent or complete, never torn. Features
+never travel through the scheduler; the task returns a few numbers.
+
+Resume is per partition: the chunks of the partition that are already present and
+decode (crc32c checked) are kept, and the stream is opened at the first one that is not.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from stores.errors import CorruptChunkError, StoreNotFoundError
+from stores.zarr_entry import FULL_DISK_ERRNOS, DurableLocalStore, ZarrReader, free_bytes
+
+from ..fingerprint import canonical_json, is_cacheable
+from ..stream import Stream
+from .errors import ExecutorError, WorkerStoreError
+from .layout import META
+from .partitions import Partition
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """What every partition of one build shares: enough for a worker to re-create the upstream stream."""
+
+    recipe: dict[str, Any]  # resolved recipe; targets narrowed to the cache stage, executor local
+    source: str  # where the recipe came from, for messages
+    store: str  # catalog root: the same path on every machine
+    stage: str  # the cache stage being built
+    input: str  # the stage whose stream it stores
+    fingerprint: str  # the cache stage's fingerprint as the client computed it
+    spec: str  # canonical JSON of the input stream's spec as the client resolved it
+    zarr_dir: str  # the staging hierarchy to write into
+    torch_threads: int
+    batch_period: int  # streams are opened at multiples of this (see partitions.batch_period)
+
+    @property
+    def key(self) -> str:
+        """Identity of the upstream graph a worker keeps for this job (and reuses for the next one)."""
+        text = canonical_json([self.recipe, self.store, self.stage, self.fingerprint, self.torch_threads])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def where() -> str:
+    """This worker, as messages name it."""
+    return f"{socket.gethostname()} (pid {os.getpid()})"
+
+
+@dataclass
+class _Upstream:
+    key: str
+    runner: Any
+    stream: Stream
+
+
+# Per worker process: the last job's upstream graph (frozen model loaded, weights read once).
+# One slot: a worker serving a new build drops the previous model instead of accumulating them.
+_slot: list[_Upstream] = []
+_slot_lock = threading.Lock()
+
+
+def _open_upstream(job: BuildJob) -> _Upstream:
+    import torch
+
+    from stores.catalog import Catalog
+
+    from ..context import RunContext
+    from ..progress import Progress
+    from ..recipe import recipe_from_dict
+    from ..runner import Runner
+
+    try:
+        catalog = Catalog(job.store, create=False)
+    except StoreNotFoundError:
+        raise WorkerStoreError(
+            f"Dask worker {where()} cannot open the store {job.store}: it does not exist there. Workers "
+            "read the stored model and write chunks in place, so every worker must see the store at the "
+            "same path as the client (a shared or network filesystem)"
+        ) from None
+    recipe = recipe_from_dict(job.recipe, source=job.source)
+    ctx = RunContext(
+        catalog=catalog,
+        seed=recipe.seed,
+        device=recipe.run.device,
+        recipe_name=recipe.name,
+        recipe_path=job.source,
+        progress=Progress(quiet=True),
+    )
+    # Process-wide on purpose: every partition this worker runs shares one torch thread pool.
+    torch.set_num_threads(job.torch_threads)
+    runner = Runner(recipe, ctx)
+    fp = runner.fingerprints.get(job.stage)
+    if fp != job.fingerprint:
+        raise ExecutorError(
+            f"Dask worker {where()} computes fingerprint {str(fp)[:12]} for stage {job.stage!r}, the client "
+            f"{job.fingerprint[:12]}: its data, weights or code differ from the client's (same package "
+            "version and the same dataset files at the same paths are needed on every worker)"
+        )
+    # Stored stages upstream (the backbone) were built or loaded by the client before any task was
+    # submitted. A worker that cannot find them looks at another store; it must not rebuild them.
+    for name in sorted(runner.graph.ancestors([job.input])):
+        stage, up = recipe.stages[name], runner.fingerprints[name]
+        if stage.cacheable and is_cacheable(up) and not catalog.exists(up):
+            raise WorkerStoreError(
+                f"Dask worker {where()} finds no entry {up[:12]} for stage {name!r} in the store "
+                f"{job.store}, although the client has it: the worker sees another directory at that "
+                "path. Every worker must see the client's store at the same path (a shared filesystem)"
+            )
+    stream = runner.output(job.input)
+    from ..ops.cache import spec_to_json
+
+    found = canonical_json(spec_to_json(stream.spec))
+    if found != job.spec:
+        raise ExecutorError(
+            f"Dask worker {where()} resolves stage {job.input!r} to another stream spec than the client "
+            f"(worker: {found[:300]}; client: {job.spec[:300]})"
+        )
+    return _Upstream(job.key, runner, stream)
+
+
+def upstream(job: BuildJob) -> tuple[Stream, float]:
+    """The job's input stream in this process, built on first use; (stream, seconds spent building it)."""
+    with _slot_lock:  # threads of one worker wait for one build instead of loading the model twice
+        if _slot and _slot[0].key == job.key:
+            return _slot[0].stream, 0.0
+        while _slot:
+            _slot.pop().runner.release()
+        start = time.perf_counter()
+        _slot.append(_open_upstream(job))
+        return _slot[0].stream, time.perf_counter() - start
+
+
+def kept_chunks(reader: ZarrReader, part: Partition) -> int:
+    """Leading chunks of ``part`` already present and decodable in every array of its split."""
+    good = part.first_chunk
+    while good < part.stop_chunk:
+        try:
+            reader.read_chunk(part.split, good)
+        except CorruptChunkError:
+            break
+        good += 1
+    return good - part.first_chunk
+
+
+class ChunkWriter:
+    """Assembles a partition's batches into whole chunks and writes each exactly once.
+
+    Whole chunks only: zarr then never reads a chunk back to merge a partial write, and a
+    chunk file is the unit that appears atomically. Holds at most one chunk plus one batch.
+    """
+
+    def __init__(self, arrays: dict[str, Any], position: int, stop: int, chunk_samples: int, where: str):
+        self.arrays = arrays  # field -> zarr.Array of this split
+        self.position = position  # next sample to write; chunk-aligned
+        self.stop = stop
+        self.chunk = chunk_samples
+        self.where = where
+        self.pending: dict[str, np.ndarray] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.stop
+
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        held = 0 if self.pending is None else len(next(iter(self.pending.values())))
+        room = self.stop - self.position - held
+        batch = {k: v[:room] for k, v in batch.items()}
+        if self.pending is not None:
+            batch = {k: np.concatenate([self.pending[k], batch[k]]) for k in self.arrays}
+        count = len(next(iter(batch.values())))
+        offset = 0
+        while count - offset >= self.chunk or (
+            offset < count and self.position + count - offset == self.stop
+        ):
+            take = min(self.chunk, count - offset)
+            self._write({k: batch[k][offset : offset + take] for k in self.arrays})
+            offset += take
+        self.pending = {k: batch[k][offset:] for k in self.arrays} if offset < count else None
+
+    def _write(self, chunk: dict[str, np.ndarray]) -> None:
+        lo = self.position
+        for name, arr in self.arrays.items():
+            try:
+                arr[lo : lo + len(chunk[name])] = np.asarray(chunk[name], dtype=arr.dtype)
+            except OSError as exc:
+                if exc.errno not in FULL_DISK_ERRNOS:
+                    raise
+                # A plain OSError(ENOSPC): it pickles back to the client intact, and the client's
+                # staging cleanup treats it as the full disk it is.
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the disk is full writing chunk {lo // self.chunk} of {name!r} in {self.where} "
+                    f"({free_bytes(self.where)} bytes free)",
+                    self.where,
+                ) from None
+        self.position = lo + len(next(iter(chunk.values())))
+
+
+def _writable(root: zarr.Group, name: str, zarr_dir: Path) -> zarr.Array:
+    node = root[name]
+    if not isinstance(node, zarr.Array):
+        raise ExecutorError(
+            f"{name!r} in {zarr_dir} is a zarr group, but the cache layout has an array there"
+        )
+    # write_empty_chunks is runtime config, not metadata: without it an all-zero chunk gets no file.
+    return node.with_config({"write_empty_chunks": True})
+
+
+def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
+    """Compute and write ``part``'s missing chunks; return what was kept and computed (no data)."""
+    start = time.perf_counter()
+    zarr_dir = Path(job.zarr_dir)
+    if not (zarr_dir / META).is_file():
+        raise WorkerStoreError(
+            f"Dask worker {where()} cannot see the cache being built at {zarr_dir} (store {job.store}). "
+            "Workers write their chunks straight into the store, so every worker must see the store at "
+            "the same path as the client (a shared or network filesystem)"
+        )
+    kept = kept_chunks(ZarrReader(zarr_dir), part)
+    result = {
+        "split": part.split,
+        "first_chunk": part.first_chunk,
+        "stop_chunk": part.stop_chunk,
+        "kept_chunks": kept,
+        "computed_samples": 0,
+        "lead_in_samples": 0,
+        "upstream_seconds": 0.0,
+        "worker": where(),
+        # Dask's nanny default; slows torch down (see dask_build.start_local_cluster): the client says so.
+        "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+    }
+    if kept == part.num_chunks:
+        result["seconds"] = time.perf_counter() - start
+        return result
+    stream, result["upstream_seconds"] = upstream(job)
+    root = zarr.open_group(store=DurableLocalStore(zarr_dir), mode="r+", zarr_format=3)
+    fields = sorted(stream.spec.splits[part.split].fields)
+    arrays = {f: _writable(root, f"{part.split}/{f}", zarr_dir) for f in fields}
+    first = (part.first_chunk + kept) * part.chunk_samples
+    # Open on a batch boundary so every batch is the one a local build forms (same bits), then
+    # drop the lead-in samples before this partition.
+    position = first - first % job.batch_period
+    result["lead_in_samples"] = first - position
+    writer = ChunkWriter(arrays, first, part.stop, part.chunk_samples, str(zarr_dir))
+    batches = stream.open(part.split, epoch=0, shuffle=False, start=position)
+    try:
+        for batch in batches:
+            n = len(next(iter(batch.values())))
+            skip = min(n, max(0, first - position))
+            position += n
+            if skip < n:
+                writer.add({k: v[skip:].detach().cpu().numpy() for k, v in batch.items()})
+            if writer.done:
+                break
+    finally:
+        # The rest of the split is not ours: stop the upstream (its decode prefetch thread) now. Closing
+        # waits for that thread, which polls for the stop every 0.1 s, so it is done off this task's path.
+        close = getattr(batches, "close", None)
+        if close is not None:
+            threading.Thread(target=close, name="close-upstream", daemon=True).start()
+    if not writer.done:
+        raise ExecutorError(
+            f"stage {job.input!r} ended split {part.split!r} at sample {writer.position} on worker "
+            f"{where()}, but partition {part.describe()} needs samples up to {part.stop}"
+        )
+    result["computed_samples"] = part.stop - first
+    result["seconds"] = time.perf_counter() - start
+    return result
