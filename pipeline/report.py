@@ -23,6 +23,23 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _result_line(name: str, m: dict[str, Any]) -> str:
+    """One trainer's result for the summary line: accuracy plus its speed and stored bytes when known."""
+    text = f"{name} acc {m['accuracy']:.3f}" if _number(m.get("accuracy")) else name
+    if _number(m.get("epoch_seconds")):
+        cache = (
+            f", cache {_human(m['cache_bytes'])} at {m['bits']} bits" if m.get("mode") == "two_stage" else ""
+        )
+        text += f" ({m['epoch_seconds']:.2f}s/epoch{cache})"
+    elif _number(m.get("train_seconds")):
+        text += f" ({m['train_seconds']:.1f}s training)"
+    return text
+
+
 def _epochs(path: Path) -> dict[str, list[dict[str, Any]]]:
     by_stage: dict[str, list[dict[str, Any]]] = defaultdict(list)
     if path.exists():
@@ -42,9 +59,16 @@ def _plots(
     import matplotlib.pyplot as plt
 
     written = []
-    if epochs:
+    # Per-epoch records with one loss (trainers of one network); block-wise local learning logs
+    # a loss per layer and is shown by the time-to-accuracy plot below instead.
+    scalar = {
+        stage: recs
+        for stage, recs in epochs.items()
+        if recs and all(_number(r.get("train_loss")) for r in recs)
+    }
+    if scalar:
         fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-        for stage, recs in epochs.items():
+        for stage, recs in scalar.items():
             xs = [r["epoch"] for r in recs]
             ax_loss.plot(xs, [r["train_loss"] for r in recs], marker="o", label=stage)
             if any(r.get("val_acc") is not None for r in recs):
@@ -57,19 +81,35 @@ def _plots(
         fig.savefig(output / "curves.png", dpi=100)
         plt.close(fig)
         written.append("curves.png")
-    if results:
+    timed = {n: m for n, m in results.items() if _number(m.get("epoch_seconds"))}
+    if timed:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        names = list(results)
+        names = list(timed)
         ax.bar(
             names,
-            [results[n]["epoch_seconds"] for n in names],
-            color=["tab:orange" if results[n]["mode"] == "single_stage" else "tab:blue" for n in names],
+            [timed[n]["epoch_seconds"] for n in names],
+            color=["tab:orange" if timed[n].get("mode") == "single_stage" else "tab:blue" for n in names],
         )
         ax.set(ylabel="seconds per epoch", title="epoch time: single-stage (orange) vs two-stage (blue)")
         fig.tight_layout()
         fig.savefig(output / "epoch_time.png", dpi=100)
         plt.close(fig)
         written.append("epoch_time.png")
+    curves = {n: m["val_curve"] for n, m in results.items() if m.get("val_curve")}
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n, curve in curves.items():
+            ax.plot([t for t, _ in curve], [a for _, a in curve], marker="o", label=n)
+        ax.set(
+            xlabel="seconds since the stage started",
+            ylabel="best val accuracy so far",
+            title="time to accuracy",
+        )
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(output / "time_to_accuracy.png", dpi=100)
+        plt.close(fig)
+        written.append("time_to_accuracy.png")
     return written
 
 
@@ -94,9 +134,7 @@ def write_run_outputs(
     computed = sum(r.status == "computed" for r in reports)
     reused = sum(r.status == "reused" for r in reports)
     parts = [f"{recipe.name}: {len(reports)} stages ({computed} computed, {reused} reused) in {seconds:.1f}s"]
-    for name, m in results.items():
-        cache = f", cache {_human(m['cache_bytes'])} at {m['bits']} bits" if m["mode"] == "two_stage" else ""
-        parts.append(f"{name} acc {m['accuracy']:.3f} ({m['epoch_seconds']:.2f}s/epoch{cache})")
+    parts += [_result_line(name, m) for name, m in results.items()]
     summary_line = "; ".join(parts) + f" -> {output}"
     summary = {
         "recipe": recipe.name,
@@ -135,13 +173,20 @@ def write_run_outputs(
             "",
             "## Results",
             "",
-            "| trainer | mode | bits | test accuracy | best val | s/epoch | cache |",
-            "|---|---|---:|---:|---:|---:|---:|",
+            "| trainer | mode | bits | test accuracy | best val | s/epoch | training s | cache |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
+
+        def cell(value: Any, fmt: str) -> str:
+            return format(value, fmt) if _number(value) else "-"
+
         for name, m in results.items():
+            best_val = m.get("best_val_accuracy", m.get("exit_val_acc"))
             lines.append(
-                f"| {name} | {m['mode']} | {m['bits']} | {m['accuracy']:.4f} | "
-                f"{m['best_val_accuracy']:.4f} | {m['epoch_seconds']:.3f} | {_human(m['cache_bytes'])} |"
+                f"| {name} | {m.get('mode', m.get('variant', '-'))} | {m.get('bits', '-')} | "
+                f"{cell(m.get('accuracy'), '.4f')} | {cell(best_val, '.4f')} | "
+                f"{cell(m.get('epoch_seconds'), '.3f')} | {cell(m.get('train_seconds'), '.1f')} | "
+                f"{_human(m['cache_bytes']) if _number(m.get('cache_bytes')) else '-'} |"
             )
     lines += [""] + [f"![{p}]({p})" for p in plots] + ["", summary_line, ""]
     (output / "report.md").write_text("\n".join(lines))

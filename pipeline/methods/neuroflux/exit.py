@@ -64,7 +64,7 @@ def export_model(model: nn.Module, sample_shape: tuple[int, ...], path: Path) ->
     program = torch.export.export(model, example, dynamic_shapes=({0: batch},))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # torch.export wants the .pt2 suffix
     torch.export.save(program, tmp)
     tmp.replace(path)  # never a half-written model under the final name
     return path

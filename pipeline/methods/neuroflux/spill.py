@@ -1,0 +1,170 @@
+"""Spill: a trained block's outputs for every split, kept as a store entry and read back.
+
+Once block ``k`` is trained, the outputs of the layers up to it are computed once for every
+sample of every split and written to the store through the cache codec (optional n-bit
+quantization, then a lossless codec, sample-chunked zarr). The next block reads that entry
+instead of recomputing blocks ``0..k``: through re-chunk to its own batch size and prefetch.
+
+A spill is an ordinary catalog entry, so everything the store does applies: the budget
+makes room for it (or refuses with a clear error), an interrupted write resumes at the
+first missing chunk (bit-identical to an uninterrupted one), and a reader's hold keeps it
+from being evicted while a block trains from it. Its fingerprint is derived from the
+NeuroFlux stage's fingerprint and the block it follows, so a changed recipe (model, data,
+budget, seed, codec) can never read a stale spill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from stores.catalog import Catalog, EntryUse
+
+from ...fingerprint import sha256_hex
+from ...ops.batching import Batch
+from ...ops.cache import StoredStream, write_stream
+from ...spec import STREAM, FieldSpec, Spec, SplitSpec
+from ...stream import MapStream, Stream
+
+SPILL_KIND = "neuroflux-spill"
+
+
+class SpillConfig(BaseModel):
+    """How a block's outputs are stored and shuffled: the cache codec's settings (they change results)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bits: Literal[1, 2, 4, 8, 16, 32] = Field(
+        32, description="training split: n-bit quantile codes (1-8) or float16/32; val/test stay float"
+    )
+    compressor: Literal["zstd", "blosc", "none"] = "zstd"
+    level: int = Field(3, ge=0, le=22)
+    chunk_bytes: int = Field(1 << 20, ge=1024, description="target bytes per stored chunk")
+    window_chunks: int = Field(4, ge=1, description="shuffle window in chunks")
+
+
+def derived_fingerprint(stage_fingerprint: str, what: str) -> str:
+    """The fingerprint of a sub-entry (a block, a spill) of the stage whose fingerprint is given."""
+    return sha256_hex(f"{stage_fingerprint}/{what}")
+
+
+def block_output_stream(parent: Stream, layers: Sequence[nn.Module], after_layer: int) -> MapStream:
+    """``parent`` with ``x`` replaced by the output of ``layers`` (eval mode, no autograd); y, id kept."""
+    with torch.no_grad():
+        probe = parent.spec.splits[next(iter(parent.spec.splits))].fields["x"].shape
+        h = torch.zeros(1, *probe)
+        was = [m.training for m in layers]
+        for m in layers:
+            m.eval()
+            h = m(h)
+        for m, mode in zip(layers, was, strict=True):
+            m.train(mode)
+    shape = tuple(int(d) for d in h.shape[1:])
+    splits = {
+        name: SplitSpec(s.num_samples, {**s.fields, "x": FieldSpec(shape, "float32")})
+        for name, s in parent.spec.splits.items()
+    }
+    spec = Spec(STREAM, parent.spec.num_classes, splits, {**parent.spec.meta, "after_layer": after_layer})
+
+    def forward(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
+        for m in layers:
+            m.eval()  # the block is trained: its batch norms use running statistics
+        with torch.no_grad():
+            h = batch["x"]
+            for m in layers:
+                h = m(h)
+        return {**batch, "x": h}
+
+    return MapStream(parent, forward, spec)
+
+
+class Spills:
+    """The spill entries of one NeuroFlux run: written once, held while read, dropped when done."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        stage_fingerprint: str,
+        config: SpillConfig,
+        *,
+        prefetch: int,
+        keep: bool,
+        log: Any,
+    ) -> None:
+        self.catalog = catalog
+        self.stage_fingerprint = stage_fingerprint
+        self.config = config
+        self.prefetch = prefetch  # chunks read ahead while a block trains
+        self.keep = keep  # keep every spill instead of dropping one once the next exists
+        self.log = log
+        self._held: dict[int, EntryUse] = {}
+        self.sizes: dict[int, int] = {}  # block -> bytes on disk
+
+    def fingerprint(self, block: int) -> str:
+        return derived_fingerprint(self.stage_fingerprint, f"spill-after-block-{block}")
+
+    def exists(self, block: int) -> bool:
+        return self.catalog.exists(self.fingerprint(block))
+
+    def _quantizer(self) -> Any:
+        from ...stages.quantize import Quantize  # here: pipeline.stages imports this package
+
+        bits = self.config.bits
+        return Quantize(input="block", bits=bits, eval_bits=32 if bits == 32 else 16)
+
+    def write(self, block: int, outputs: Stream, lineage: dict[str, Any], progress: Any = None) -> None:
+        """Store ``outputs`` (the stream after ``block``) unless it is stored; resumes a partial write."""
+        fp = self.fingerprint(block)
+        coded = self._quantizer().run(None, {"input": outputs}, f"spill-{block}")
+        estimate = sum(s.num_samples * s.sample_bytes() for s in coded.spec.splits.values())
+        with self.catalog.stage(fp, SPILL_KIND, lineage, resume=True, estimate_bytes=estimate) as staging:
+            if staging.existing is None:
+                if staging.resumed:
+                    self.log(f"spill after block {block}: resuming an interrupted write")
+                extra = write_stream(
+                    coded,
+                    staging.path,
+                    chunk_bytes=self.config.chunk_bytes,
+                    compressor=self.config.compressor,
+                    level=self.config.level,
+                    attrs={"lineage": lineage},
+                    progress=progress,
+                    log=self.log,
+                )
+                staging.commit({**extra, "after_block": block})
+
+    def open(self, block: int) -> Stream:
+        """The spill after ``block`` as a float stream; held (not evictable) until :meth:`drop`."""
+        if block not in self._held:
+            self._held[block] = self.catalog.use(self.fingerprint(block))
+        entry = self._held[block].entry
+        self.sizes[block] = entry.size_bytes
+        stored = StoredStream(
+            Path(entry.path),
+            size_bytes=entry.size_bytes,
+            prefetch_depth=self.prefetch,
+            window_chunks=self.config.window_chunks,
+        )
+        from ...stages.quantize import Dequantize
+
+        return Dequantize(input="spill").run(None, {"input": stored}, f"spill-{block}")
+
+    def release(self, block: int) -> None:
+        held = self._held.pop(block, None)
+        if held is not None:
+            held.release()
+
+    def drop(self, block: int) -> None:
+        """Release the spill and, unless spills are kept, remove it from the store."""
+        self.release(block)
+        if not self.keep and self.catalog.remove(self.fingerprint(block)):
+            self.log(f"dropped the spill after block {block} (keep_spills: false)")
+
+    def close(self) -> None:
+        for block in list(self._held):
+            self.release(block)

@@ -1,0 +1,265 @@
+"""The NeuroFlux recipe stages: spills in the store, re-chunk alignment, resume after a kill, export.
+
+Real parts throughout: scikit-learn's digits decoded to 32x32, a VGG-11 at width 0.125 trained
+from scratch, a catalog on disk, subprocess runs of ``python -m pipeline run`` killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from pipeline.context import RunContext
+from pipeline.errors import StageError
+from pipeline.methods.neuroflux.models import build_layer_net
+from pipeline.methods.neuroflux.spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
+from pipeline.ops.batching import rechunk
+from pipeline.recipe import recipe_from_dict
+from pipeline.runner import Runner
+from stores.catalog import Catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET_3_BLOCKS = 4  # MiB: VGG-11 at width 0.125 -> blocks of layers 0-1, 2-4, 5-7 (batches 36, 80, 86)
+
+
+def recipe_dict(**neuroflux: Any) -> dict[str, Any]:
+    return {
+        "name": "nf_test",
+        "run": {"threads": 1},
+        "stages": {
+            "digits": {"type": "digits"},
+            "data": {"type": "split", "input": "digits", "val_fraction": 0.15, "test_fraction": 0.2},
+            "images": {
+                "type": "decode",
+                "input": "data",
+                "resolution": 32,
+                "mean": [0.5, 0.5, 0.5],
+                "std": [0.5, 0.5, 0.5],
+            },
+            "nf": {
+                "type": "neuroflux",
+                "input": "images",
+                "arch": "vgg11",
+                "width_mult": 0.125,
+                "memory_budget_mib": BUDGET_3_BLOCKS,
+                "train": {"epochs": 2, "lr": 0.003},
+                "spill": {"bits": 8, "chunk_bytes": 16384},
+                **neuroflux,
+            },
+        },
+    }
+
+
+def run_in_process(tmp_path: Path, recipe: dict[str, Any], store: str = "store") -> dict[str, Any]:
+    r = recipe_from_dict(recipe)
+    ctx = RunContext(catalog=Catalog(tmp_path / store), output_dir=tmp_path / "out", recipe_name=r.name)
+    reports = {rep.name: rep for rep in Runner(r, ctx).run()}
+    return reports["nf"].metrics
+
+
+# ------------------------------------------------------------------ spill + re-chunk
+@pytest.mark.parametrize("bits", [32, 8])
+def test_spill_rechunked_to_another_batch_keeps_every_sample_with_its_label(
+    tmp_path: Path, bits: int
+) -> None:
+    r = recipe_from_dict(recipe_dict())
+    runner = Runner(r, RunContext(catalog=Catalog(tmp_path / "store")))
+    images = runner.output("images")
+    layers = list(build_layer_net("vgg11", 10, width_mult=0.125, seed=0).layers[:2])
+    outputs = block_output_stream(images, layers, after_layer=1)
+    spills = Spills(
+        Catalog(tmp_path / "store"),
+        "ab" * 32,
+        SpillConfig(bits=bits, chunk_bytes=16384),
+        prefetch=2,
+        keep=False,
+        log=lambda _m: None,
+    )
+    spills.write(0, outputs, {"test": True})
+    spilled = spills.open(0)
+
+    # Reference: every image through the two layers directly, by sample id.
+    reference: dict[int, tuple[torch.Tensor, int]] = {}
+    for batch in images.open("train"):
+        with torch.no_grad():
+            h = batch["x"]
+            for m in layers:
+                m.eval()
+                h = m(h)
+        for i, x, y in zip(batch["id"].tolist(), h, batch["y"].tolist(), strict=True):
+            reference[i] = (x, y)
+
+    for epoch, shuffle in ((0, False), (1, True)):
+        seen: list[int] = []
+        sizes = []
+        for batch in rechunk(spilled.open("train", epoch=epoch, shuffle=shuffle, seed=3), 37):
+            sizes.append(len(batch["y"]))
+            for i, x, y in zip(batch["id"].tolist(), batch["x"], batch["y"].tolist(), strict=True):
+                ref_x, ref_y = reference[i]
+                assert y == ref_y, f"sample {i}: label {y} != {ref_y}"
+                if bits == 32:
+                    assert torch.equal(x, ref_x), f"sample {i}: stored activation differs"
+                else:  # 8-bit per-channel codes: within one quantization step of the channel's range
+                    step = (ref_x.amax(dim=(1, 2)) - ref_x.amin(dim=(1, 2))) / 255
+                    err = (x - ref_x).abs().amax(dim=(1, 2))
+                    assert bool((err <= step + 1e-3).all()), f"sample {i}: 8-bit error {err.max()} > step"
+                seen.append(i)
+        assert sorted(seen) == sorted(reference), "samples lost or duplicated across the block boundary"
+        assert all(s == 37 for s in sizes[:-1]) and 0 < sizes[-1] <= 37
+    spills.drop(0)
+    assert not spills.exists(0)
+
+
+# ------------------------------------------------------------------ the stage end to end
+def test_neuroflux_trains_blocks_from_spills_exports_and_reuses(tmp_path: Path) -> None:
+    metrics = run_in_process(tmp_path, recipe_dict())
+    blocks = metrics["blocks"]
+    assert [b["layers"] for b in blocks] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert [b["batch_size"] for b in blocks] == [36, 80, 86]
+    assert all(b["predicted_mib"] <= BUDGET_3_BLOCKS for b in blocks)
+    assert metrics["accuracy"] > 0.5  # 10 classes, 2 epochs per block
+    assert metrics["profile_r2_min"] > 0.99
+    # Spills after blocks 0 and 1 were written and then dropped (keep_spills: false).
+    assert [s["after_block"] for s in metrics["spills"]] == [0, 1]
+    assert all(s["bytes"] > 0 for s in metrics["spills"])
+    store = Catalog(tmp_path / "store")
+    kinds = sorted(e.kind for e in store.entries())
+    assert kinds == ["neuroflux-block"] * 3
+    assert not any((tmp_path / "store" / "staging").iterdir())
+    # The exported compact model: a file stock torch loads without the toolkit, same outputs.
+    out = tmp_path / "out" / "stages" / "nf"
+    assert metrics["exported_max_abs_diff"] <= 1e-5
+    script = (
+        "import sys, torch\n"
+        f"m = torch.export.load({str(out / 'exit_model.pt2')!r}).module()\n"
+        f"ref = torch.load({str(out / 'exit_model.reference.pt')!r}, weights_only=True)\n"
+        "assert not any(k == 'pipeline' or k.startswith('pipeline.') for k in sys.modules)\n"
+        "print(float((m(ref['x']) - ref['logits']).abs().max()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) <= 1e-5
+    assert metrics["parameter_compression"] == pytest.approx(
+        metrics["full_parameters"] / metrics["compact_parameters"]
+    )
+    # A second run reuses every trained block and reproduces the result.
+    again = run_in_process(tmp_path, recipe_dict())
+    assert again["blocks_reused"] == 3
+    assert again["val_acc_per_layer"] == metrics["val_acc_per_layer"]
+    assert again["accuracy"] == metrics["accuracy"]
+
+
+def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
+    run_in_process(tmp_path, recipe_dict(keep_spills=True, train={"epochs": 1}))
+    kinds = sorted(e.kind for e in Catalog(tmp_path / "store").entries())
+    assert kinds == ["neuroflux-block"] * 3 + ["neuroflux-spill"] * 2
+
+
+# ------------------------------------------------------------------ kill -9 and resume
+def _stage_fingerprint(tmp_path: Path, recipe: dict[str, Any]) -> str:
+    r = recipe_from_dict(recipe)
+    return Runner(r, RunContext(catalog=Catalog(tmp_path / "probe"))).fingerprints["nf"]
+
+
+def _run_cli(path: Path, store: Path, out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "run", str(path), "--store", str(store), "--output", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("nf_reference")
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict()))
+    proc = _run_cli(path, tmp / "store", tmp / "out")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    summary = json.loads((tmp / "out" / "summary.json").read_text())
+    ref = torch.load(tmp / "out" / "stages" / "nf" / "exit_model.reference.pt", weights_only=True)
+    return {"metrics": summary["results"]["nf"], "reference": ref}
+
+
+@pytest.mark.parametrize("where", ["block 1 training", "spill after block 0"])
+def test_killed_run_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, where: str, uninterrupted: dict[str, Any]
+) -> None:
+    recipe = recipe_dict()
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    fp = _stage_fingerprint(tmp_path, recipe)
+    store = tmp_path / "store"
+    if where == "block 1 training":
+        target = store / "staging" / derived_fingerprint(fp, "block-1")
+
+        def reached() -> bool:
+            return (target / "state.pt").exists()  # block 1 finished an epoch and checkpointed
+    else:
+        target = store / "staging" / derived_fingerprint(fp, "spill-after-block-0") / "data.zarr"
+
+        def reached() -> bool:
+            return target.is_dir() and sum(1 for _ in target.rglob("c/*")) >= 4
+
+    proc = _run_cli(path, store, tmp_path / "killed")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not reached():
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before reaching {where}: {proc.communicate()[1][-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Nothing half-done reads as complete.
+    assert not (tmp_path / "killed" / "summary.json").exists()
+    committed = {e.fingerprint for e in Catalog(store).entries()}
+    assert derived_fingerprint(fp, "block-1") not in committed
+    if where == "spill after block 0":
+        assert derived_fingerprint(fp, "spill-after-block-0") not in committed
+
+    proc = _run_cli(path, store, tmp_path / "resumed")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "resuming" in err
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    metrics = summary["results"]["nf"]
+    assert metrics["val_acc_per_layer"] == uninterrupted["metrics"]["val_acc_per_layer"]
+    ref = torch.load(tmp_path / "resumed" / "stages" / "nf" / "exit_model.reference.pt", weights_only=True)
+    assert torch.equal(ref["logits"], uninterrupted["reference"]["logits"])
+
+
+# ------------------------------------------------------------------ bad input
+def test_budget_below_batch_one_names_the_layer_and_its_memory(tmp_path: Path) -> None:
+    with pytest.raises(StageError, match=r"too small for layer layers\.\d+: it needs [\d.]+ MiB"):
+        run_in_process(tmp_path, recipe_dict(memory_budget_mib=0.05))
+
+
+def test_backprop_below_batch_one_says_what_it_needs(tmp_path: Path) -> None:
+    recipe = recipe_dict()
+    recipe["stages"]["nf"] = {
+        "type": "backprop",
+        "input": "images",
+        "arch": "vgg11",
+        "width_mult": 0.125,
+        "memory_budget_mib": 1,
+        "train": {"epochs": 1},
+    }
+    with pytest.raises(
+        StageError, match=r"too small for backpropagation .* needs [\d.]+ MiB at batch size 1"
+    ):
+        run_in_process(tmp_path, recipe)
+
+
+def test_unknown_model_family_names_the_supported_ones(tmp_path: Path) -> None:
+    with pytest.raises(StageError, match=r"vgg11.*vgg16.*vgg19.*resnet18"):
+        run_in_process(tmp_path, recipe_dict(arch="mobilenet_v2"))
