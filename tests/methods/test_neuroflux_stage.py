@@ -156,6 +156,10 @@ def test_neuroflux_trains_blocks_from_spills_exports_and_reuses(tmp_path: Path) 
     assert again["blocks_reused"] == 3
     assert again["val_acc_per_layer"] == metrics["val_acc_per_layer"]
     assert again["accuracy"] == metrics["accuracy"]
+    # Choosing the exit differently does not retrain anything.
+    looser = run_in_process(tmp_path, recipe_dict(exit_tolerance=0.2))
+    assert looser["blocks_reused"] == 3
+    assert looser["compact_parameters"] <= metrics["compact_parameters"]
 
 
 def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
@@ -167,7 +171,10 @@ def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ kill -9 and resume
 def _stage_fingerprint(tmp_path: Path, recipe: dict[str, Any]) -> str:
     r = recipe_from_dict(recipe)
-    return Runner(r, RunContext(catalog=Catalog(tmp_path / "probe"))).fingerprints["nf"]
+    runner = Runner(r, RunContext(catalog=Catalog(tmp_path / "probe")))
+    fp = r.stages["nf"].training_fingerprint(runner.ctx, "nf")
+    assert fp is not None
+    return fp
 
 
 def _run_cli(path: Path, store: Path, out: Path) -> subprocess.Popen[str]:

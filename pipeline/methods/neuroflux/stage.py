@@ -34,7 +34,7 @@ from torch import nn
 from stores.catalog import Catalog
 
 from ...errors import ModelError, StageError
-from ...fingerprint import is_cacheable
+from ...fingerprint import canonical_json, is_cacheable, sha256_hex
 from ...models.weights import load_weights, save_weights
 from ...ops.batching import Batch, rechunk
 from ...ops.prefetch import prefetch
@@ -60,6 +60,8 @@ from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
 from .spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
 
 BLOCK_KIND = "neuroflux-block"
+# Settings that only choose, report or export the exit: they never change a trained block.
+EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
 MIB = 2**20
 
 
@@ -199,6 +201,20 @@ class NeuroFlux(_BudgetedTraining):
     def aux_kind(self) -> str:
         return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
 
+    def training_fingerprint(self, ctx: Any, name: str) -> str | None:
+        """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
+
+        Choosing or exporting a different exit never changes a trained block, so those settings are
+        left out: a recipe that only changes ``exit_tolerance`` reuses every block. None when the
+        stage's input cannot be fingerprinted (nothing is stored then).
+        """
+        stage_fp, parent = ctx.fingerprints.get(name, ""), ctx.fingerprints.get(self.input, "")
+        if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
+            return None
+        config = {k: v for k, v in self.fingerprint_config().items() if k not in EXIT_SETTINGS}
+        payload = {"type": f"{self.type_name}@{self.version}", "config": config, "input": parent}
+        return sha256_hex(canonical_json(payload))
+
     # ------------------------------------------------------------------ plan
     def plan(self, fits: list[MemoryFit], names: list[str]) -> list[Block]:
         """Blocks with batch sizes: Algorithm 1, or one block of every layer for classic LL."""
@@ -233,13 +249,13 @@ class NeuroFlux(_BudgetedTraining):
             + "; ".join(f"layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}" for b in blocks)
         )
 
-        fingerprint = ctx.fingerprints.get(name, "")
+        fingerprint = self.training_fingerprint(ctx, name)
         scratch = None
         catalog = ctx.catalog
-        if not is_cacheable(fingerprint):  # nothing may be stored under it: work in a throwaway store
+        if fingerprint is None:  # nothing may be stored under it: work in a throwaway store
             scratch = tempfile.TemporaryDirectory(prefix=f"{name}-neuroflux-")
             catalog = Catalog(scratch.name)
-            fingerprint = derived_fingerprint("0" * 64, fingerprint)
+            fingerprint = derived_fingerprint("0" * 64, ctx.fingerprints.get(name, name))
         spills = Spills(
             catalog,
             fingerprint,
@@ -297,6 +313,7 @@ class NeuroFlux(_BudgetedTraining):
             "train_seconds": train_seconds,
             **self._curve_metrics(run.curve),
             "val_acc_per_layer": [val_acc[i] for i in range(len(net.layers))],
+            "exit_candidates": [c.as_dict() for c in candidates],
             "exit_layer": chosen.layer,
             "exit_val_acc": chosen.val_acc,
             "compact_parameters": chosen.parameters,
