@@ -11,11 +11,19 @@ CPU the decompression steals. Two settings:
 - compute-bound:  compute per epoch > bytes / bandwidth
 
 Target: with prefetch, epoch <= 1.1 x max(compute, bytes / bandwidth); without
-prefetch the epoch is near the sum. Also: the reader's peak memory (tracemalloc:
-numpy/zarr buffers) stays within ``prefetch_max_bytes`` + the shuffle window + a
-small constant.
+prefetch the epoch is near the sum. The reader fetches encoded chunks on one thread
+and decodes them on another (pipeline/ops/cache.py), so decompression overlaps the
+transfer too. Also: the reader's peak memory (tracemalloc: numpy/zarr/h5py buffers)
+stays within its documented bound ``StoredStream.memory_bound`` (queued fetched and
+decoded chunks within ``prefetch_max_bytes``, one chunk in flight per thread, the
+shuffle window) plus a small constant.
 
-Usage: python -m benchmarks.bench_prefetch [--samples 2048] [--profile sdcard]
+``--format hdf5`` runs the same measurement on an HDF5 entry (gzip level 1) read
+through a throttled file object; h5py reads and decodes a chunk in one call, so
+there the read-ahead is a single stage. Results: ``prefetch_sdcard.json`` (zarr),
+``prefetch_sdcard_hdf5.json``.
+
+Usage: python -m benchmarks.bench_prefetch [--samples 2048] [--profile sdcard] [--format zarr|hdf5]
 """
 
 from __future__ import annotations
@@ -60,13 +68,13 @@ class ArrayStream(Stream):
 
 
 def device_of(stream: StoredStream):  # noqa: ANN201
-    return stream.reader._zarr_store.device
+    return stream.throttle_device
 
 
 def epoch(stream: StoredStream, batch: int, compute_s: float, seed: int) -> tuple[float, int]:
     """Seconds for one shuffled training pass, and the peak traced bytes during it."""
-    if getattr(stream.reader, "_zarr_store", None) is not None:
-        device_of(stream).reset_stats()
+    if stream.throttle_device is not None:
+        stream.throttle_device.reset_stats()
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
@@ -90,8 +98,10 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--window-chunks", type=int, default=2)
+    ap.add_argument("--format", choices=("zarr", "hdf5"), default="zarr")
     args = ap.parse_args()
     profile = get_profile(args.profile)
+    codec = {"zarr": ("zstd", 3), "hdf5": ("gzip", 1)}[args.format]
     rows = []
     with tempfile.TemporaryDirectory(prefix="prefetch-") as tmp:
         entry = Path(tmp)
@@ -99,11 +109,14 @@ def main() -> None:
             ArrayStream(args.samples),
             entry,
             chunk_bytes=args.chunk_bytes,
-            compressor="zstd",
-            level=3,
+            compressor=codec[0],
+            level=codec[1],
             attrs={},
+            fmt=args.format,
         )
-        stored = sum(f.stat().st_size for f in (entry / "data.zarr").rglob("c/**/*") if f.is_file())
+        payload = entry / ("data.zarr" if args.format == "zarr" else "entry.h5")
+        files = [payload] if payload.is_file() else [f for f in payload.rglob("c/**/*") if f.is_file()]
+        stored = sum(f.stat().st_size for f in files)
         # I/O time of one epoch = the simulated device's busy time (every get: chunk files of x, y
         # and id, each with its latency), measured by reading once with nothing else to do.
         probe = StoredStream(entry, throttle=args.profile, prefetch_depth=0, window_chunks=args.window_chunks)
@@ -116,7 +129,6 @@ def main() -> None:
         decode_s, _ = epoch(plain, args.batch, 0.0, seed=0)  # CPU: read from page cache + decompress
         batches = -(-args.samples // args.batch)
         max_bytes = args.depth * chunk_bytes
-        window_bytes = args.window_chunks * chunk_bytes
         for setting, compute_total in (("io_bound", 0.35 * io_s), ("compute_bound", 1.6 * io_s)):
             per_batch = compute_total / batches
             measured = {}
@@ -130,9 +142,13 @@ def main() -> None:
                 )
                 epoch(stream, args.batch, per_batch, seed=0)  # warm: imports, allocator
                 seconds, peak = epoch(stream, args.batch, per_batch, seed=1)
-                measured[depth] = (seconds, peak)
-            bound = max(compute_total, io_s)
+                measured[depth] = (seconds, peak, stream)
+            bound = max(compute_total, io_s)  # the issue's bar; decode_s is reported beside it
             with_pf, without = measured[args.depth], measured[0]
+            # The reader's documented bound (StoredStream.memory_bound): queued fetched + decoded
+            # chunks (capped by prefetch_max_bytes), one chunk in flight per thread and in the
+            # consumer, and the shuffle window.
+            budget = with_pf[2].memory_bound("train")
             row = {
                 "setting": setting,
                 "compute_s": compute_total,
@@ -145,30 +161,34 @@ def main() -> None:
                 "prefetch_over_bound": with_pf[0] / bound,
                 "no_prefetch_over_sum": without[0] / (compute_total + io_s),
                 "speedup": without[0] / with_pf[0],
+                "stage_depths_fetched_decoded": list(with_pf[2].stage_depths("train")),
                 "peak_reader_bytes_prefetch": with_pf[1],
-                "reader_budget_bytes": max_bytes + window_bytes,
-                "peak_over_budget": with_pf[1] / (max_bytes + window_bytes),
+                "prefetch_max_bytes": max_bytes,
+                "reader_budget_bytes": budget,
+                "peak_over_budget": with_pf[1] / budget,
             }
             rows.append(row)
             print(
-                f"{setting:<14} compute {compute_total:5.2f}s  io {io_s:5.2f}s  | "
+                f"{setting:<14} compute {compute_total:5.2f}s  io {io_s:5.2f}s  decode {decode_s:5.2f}s | "
                 f"prefetch {with_pf[0]:5.2f}s "
                 f"({row['prefetch_over_bound']:.2f} x max)  no prefetch {without[0]:5.2f}s "
                 f"({row['no_prefetch_over_sum']:.2f} x sum)  peak reader {with_pf[1] / 2**20:.1f} MiB "
-                f"(budget {(max_bytes + window_bytes) / 2**20:.1f} MiB)"
+                f"(bound {budget / 2**20:.1f} MiB)"
             )
     targets = {
         "prefetch_within_1.1x_of_max": all(r["prefetch_over_bound"] <= 1.1 for r in rows),
         "reader_memory_within_budget_plus_constant": all(
-            r["peak_reader_bytes_prefetch"] <= r["reader_budget_bytes"] + 8 * 2**20 for r in rows
+            r["peak_reader_bytes_prefetch"] <= r["reader_budget_bytes"] + 1 * 2**20 for r in rows
         ),
     }
     path = write_result(
-        "prefetch_sdcard",
+        "prefetch_sdcard" if args.format == "zarr" else f"prefetch_sdcard_{args.format}",
         {
             "question": "epoch time through a simulated SD card, with vs without prefetch; reader memory",
             "settings": {
                 **vars(args),
+                "compressor": codec[0],
+                "level": codec[1],
                 "profile_numbers": str(profile),
                 "sample_shape": list(SHAPE),
                 "dtype": "float16",
@@ -176,6 +196,8 @@ def main() -> None:
                 "chunks": chunks,
                 "chunk_bytes_decoded": chunk_bytes,
                 "compute_model": "sleep per batch (accelerator time), so CPU contention does not blur it",
+                "memory_model": "tracemalloc peak (numpy/zarr/h5py buffers) vs StoredStream.memory_bound "
+                "+ 1 MiB constant",
             },
             "rows": rows,
             "targets": targets,

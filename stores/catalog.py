@@ -31,9 +31,9 @@ Concurrency (see :mod:`stores.lock` for why ``flock``):
   entries alone.
 
 Resume: with ``stage(..., resume=True)`` a leftover ``staging/<fp>`` (from a crash,
-SIGKILL, Ctrl-C or an exception) is kept, and ``ZarrWriter(..., resume=True)`` continues
-after its last durable chunk. Without it the leftover is deleted with a
-:class:`StaleStagingWarning`, as before. A full disk always removes the staging
+SIGKILL, Ctrl-C or an exception) is kept, and ``ZarrWriter(..., resume=True)`` (or
+``H5Writer(..., resume=True)``) continues after its last durable chunk. Without it the
+leftover is deleted with a :class:`StaleStagingWarning`, as before. A full disk always removes the staging
 directory (see :class:`StoreFullError`): keeping a partial multi-GB build on a card that
 is already full would starve everything else on it, and the build cannot continue
 until space is freed anyway.

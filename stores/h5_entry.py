@@ -20,11 +20,45 @@ The result is plain HDF5 (``h5py.File(path)["train/codes"][:]`` reads an array):
   whose writer crashed or was abandoned instead of returning fill values).
 - A chunk that was never written is reported as missing (HDF5 would silently return zeros).
 
-Writing buffers at most one chunk per array and writes every chunk exactly once and whole,
-strictly in sample order (no read-modify-write; bounded memory; HDF5's chunk cache is
-disabled so written chunks go straight to the OS). Durability is the catalog's job: a staging
-directory is fsynced and renamed on commit. An HDF5 file is not crash-consistent on its own
-(see :mod:`stores.h5_store`), which is fine here because an unpublished entry is rebuilt.
+Writing buffers at most one chunk per array (plus the whole chunks of the current batch,
+held until their row is complete) and writes every chunk exactly once and whole, in one
+canonical order: row by row (chunk ``i`` of every array of a group, arrays in name order),
+groups one after another, a group's short last row as soon as its last sample arrives. HDF5
+lays a file out in the order chunks are written, so the bytes of an entry depend only on
+its data and settings, never on the caller's batch sizes or on an interruption (HDF5's
+chunk cache is disabled, so written chunks go straight to the OS).
+
+Resume (``H5Writer(..., resume=True)``), and why it works this way
+------------------------------------------------------------------
+An HDF5 file has no journal: after ``kill -9`` or a power cut its metadata (chunk B-trees,
+object headers, superblock) may be stale, half-written or unopenable, and HDF5 cannot
+tell which chunks are whole. Reopening such a file for writing and appending would risk
+building on damage, and even when it opens, space the killed writer allocated would leave
+different bytes than an uninterrupted build. So a leftover file is only ever **read**:
+
+- After each row the writer flushes the file (so the row is in the on-disk chunk index)
+  and appends a line to a sidecar **progress log** ``entry.h5.progress``: the row's group,
+  index and the crc32 of every chunk's stored (compressed) bytes. Each line carries its
+  own crc32, so a line torn by a kill is ignored. The file and the log are fsynced every
+  ``SYNC_EVERY_S`` seconds (log after file), not per row: an SD card pays for every fsync,
+  and durability of a logged row is re-checked on resume anyway. The log's first line
+  holds a digest of the layout (arrays, counts, chunking, codec, attrs, h5py/HDF5 versions).
+- Resuming opens the leftover read-only (if HDF5 cannot open it, or the log is missing or
+  from another layout, everything is discarded with a :class:`StaleStagingWarning` and
+  ``restart_reason``) and copies the logged rows, in log order, into a fresh
+  ``entry.h5.partial`` with ``write_direct_chunk``: stored bytes, not decoded or
+  recompressed, and each chunk must match its logged crc32. The copy stops at the first
+  missing or mismatched chunk. The copy is then renamed over ``entry.h5`` (the open handle
+  follows it; POSIX rename) and writing continues; a resume killed while copying leaves
+  the original intact and is simply redone. Because the copy replays exactly the rows an
+  uninterrupted build writes first, in the same order, the finished file is byte-identical
+  to an uninterrupted build (tests/stores/test_h5_resume.py checks this after SIGKILLs).
+- Cost: a resume rewrites the kept prefix once (sequential I/O, no upstream work) and
+  needs its size again in free space while copying. ``close()`` marks the file complete
+  and deletes the log, so a committed entry is the single plain ``entry.h5``.
+
+A killed build never reads as complete: the ``ondevice_tl_complete`` attribute is set only
+by ``close()``, and the catalog publishes only committed entries.
 
 ``path`` may be an HDF5 file path or a directory (e.g. a catalog staging directory); in a
 directory the file is ``path / "entry.h5"``.
@@ -35,10 +69,15 @@ Readers open the file lazily, read-only and once per process (h5py handles do no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
+import time
+import warnings
+import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -46,10 +85,27 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from stores.errors import CorruptChunkError, EntryReadError, EntryWriteError, StoreNotFoundError
-from stores.zarr_entry import ArraySpec, _check_name, _did_you_mean, _sample_counts, split_name
+from stores.errors import (
+    CorruptChunkError,
+    EntryReadError,
+    EntryWriteError,
+    StaleStagingWarning,
+    StoreFullError,
+    StoreNotFoundError,
+)
+from stores.local import fsync_dir
+from stores.throttle import ThrottledFile, as_device
+from stores.zarr_entry import (
+    FULL_DISK_ERRNOS,
+    ArraySpec,
+    _check_name,
+    _did_you_mean,
+    _sample_counts,
+    free_bytes,
+    split_name,
+)
 
-__all__ = ["ENTRY_FILENAME", "H5Reader", "H5Writer", "entry_file"]
+__all__ = ["ENTRY_FILENAME", "H5Reader", "H5Writer", "entry_file", "progress_file", "read_progress"]
 
 Compressor = Literal["gzip", "lzf", "none"]
 _COMPRESSORS = ("gzip", "lzf", "none")
@@ -58,6 +114,9 @@ FORMAT = "ondevice-tl-h5-entry/1"
 _ATTR_FORMAT = "ondevice_tl_format"
 _ATTR_JSON = "ondevice_tl_attrs"
 _ATTR_COMPLETE = "ondevice_tl_complete"
+PROGRESS_FORMAT = "ondevice-tl-h5-progress/1"
+# fsync the file and its progress log at most this often while building (see "Resume").
+SYNC_EVERY_S = 2.0
 # h5py/HDF5 report a failed fletcher32 check or an undecodable gzip/lzf stream as OSError;
 # numpy/h5py conversion problems surface as ValueError/RuntimeError/TypeError.
 _DECODE_ERRORS = (OSError, ValueError, RuntimeError, TypeError)
@@ -76,6 +135,18 @@ class H5Writer:
 
     ``compressor`` is "gzip" (``level`` 0-9), "lzf" (fast, no level) or "none"; ``level`` is
     validated for gzip and ignored otherwise.
+
+    Chunks are written in one canonical order whatever the caller's batch sizes: row by row
+    (chunk ``i`` of every array of a group, arrays in name order), each group's rows in
+    sample order, a group's short last row as soon as its last sample arrives. HDF5 lays
+    out a file in the order chunks are written, so this is what makes two builds of the
+    same data (interrupted or not) byte-identical. After each row the file is flushed and
+    the row is appended to the progress log (see the module docstring, "Resume").
+
+    With ``resume=True`` a file and progress log left by an interrupted build are salvaged:
+    :meth:`resume_samples` then says, per group, how many leading samples are kept, and the
+    caller continues with :meth:`write` from there. ``restart_reason`` says why nothing
+    could be kept, if so.
     """
 
     def __init__(
@@ -88,6 +159,8 @@ class H5Writer:
         compressor: Compressor = "gzip",
         level: int = 4,
         checksum: bool = True,
+        *,
+        resume: bool = False,
     ) -> None:
         self.path = Path(path)
         self.file = entry_file(self.path)
@@ -111,40 +184,79 @@ class H5Writer:
             attrs_json = json.dumps(dict(attrs or {}), allow_nan=False, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise EntryWriteError(f"attrs for HDF5 entry {self.file} are not JSON-able: {exc}") from None
-        if self.file.exists():
-            raise EntryWriteError(f"{self.file} already exists; write an HDF5 entry into a fresh file")
         if not self.file.parent.is_dir():
             raise StoreNotFoundError(
                 f"directory {self.file.parent} for HDF5 entry {self.file} does not exist"
             )
+        self._members = {g: sorted(n for n in self.specs if split_name(n)[0] == g) for g in self.groups}
+        self._settings = (compressor, level, checksum, attrs_json)
+        self.layout_id = _layout_id(self.specs, self.num_samples, chunk_samples, *self._settings)
+        self.progress_file = progress_file(self.file)
+        self.restart_reason: str | None = None
+        self._log_fd: int | None = None
+        self._last_sync = time.monotonic()
+        self._rows = dict.fromkeys(self.groups, 0)  # rows (chunk indices) durable-logged per group
+        salvage: tuple[h5py.File, list[_Row]] | None = None
+        if resume:
+            salvage = self._salvage()
+        elif self.file.exists():
+            raise EntryWriteError(
+                f"{self.file} already exists; write an HDF5 entry into a fresh file "
+                "(or pass resume=True to continue an interrupted build)"
+            )
+        target = _partial(self.file) if salvage is not None else self.file
+        self._h5 = self._create(target)
         try:
-            # rdcc_nbytes=0: no chunk cache, so memory is bounded by our one-chunk buffers.
-            self._h5 = h5py.File(self.file, "w-", rdcc_nbytes=0)
-        except (OSError, ValueError) as exc:
-            raise EntryWriteError(f"cannot create HDF5 entry {self.file}: {exc}") from exc
-        try:
-            self._h5.attrs[_ATTR_FORMAT] = FORMAT
-            self._h5.attrs[_ATTR_JSON] = attrs_json
-            self._h5.attrs[_ATTR_COMPLETE] = False
-            self._dsets: dict[str, h5py.Dataset] = {}
-            for name, spec in sorted(self.specs.items()):
-                self._dsets[name] = self._create(name, spec, compressor, level, checksum)
+            self._open_log(progress_file(target))
+            if salvage is not None:
+                self._replay(*salvage)
+                os.fsync(self._h5.id.get_vfd_handle())
+                os.fsync(self._log_fd)  # type: ignore[arg-type]
+                # The open handles follow the renamed inodes (POSIX), so writing continues.
+                os.replace(target, self.file)
+                os.replace(progress_file(target), self.progress_file)
+                fsync_dir(self.file.parent)
         except BaseException:
             self._h5.close()
-            self.file.unlink(missing_ok=True)
+            self._close_log()
             raise
         self._buffers: dict[str, np.ndarray] = {}
+        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self.specs}
         self._filled = dict.fromkeys(self.specs, 0)  # samples in the buffer
-        self._written = dict.fromkeys(self.specs, 0)  # samples already persisted in whole chunks
+        self._written = {  # samples handed to the row queue (kept rows after a resume)
+            name: self.resume_samples(split_name(name)[0]) for name in self.specs
+        }
         self._closed = False
 
-    def _create(
-        self, name: str, spec: ArraySpec, compressor: str, level: int, checksum: bool
+    # ------------------------------------------------------------------------------ creation
+
+    def _create(self, file: Path) -> h5py.File:
+        compressor, level, checksum, attrs_json = self._settings
+        try:
+            # rdcc_nbytes=0: no chunk cache, so memory is bounded by our one-chunk buffers.
+            h5 = h5py.File(file, "w-", rdcc_nbytes=0)
+        except (OSError, ValueError) as exc:
+            raise EntryWriteError(f"cannot create HDF5 entry {file}: {exc}") from exc
+        try:
+            h5.attrs[_ATTR_FORMAT] = FORMAT
+            h5.attrs[_ATTR_JSON] = attrs_json
+            h5.attrs[_ATTR_COMPLETE] = False
+            self._dsets: dict[str, h5py.Dataset] = {}
+            for name, spec in sorted(self.specs.items()):
+                self._dsets[name] = self._dataset(h5, name, spec, compressor, level, checksum)
+        except BaseException:
+            h5.close()
+            file.unlink(missing_ok=True)
+            raise
+        return h5
+
+    def _dataset(
+        self, h5: h5py.File, name: str, spec: ArraySpec, compressor: str, level: int, checksum: bool
     ) -> h5py.Dataset:
         n = self.num_samples[split_name(name)[0]]
         itemsize = np.dtype(spec.dtype).itemsize
         compressing = compressor != "none"
-        return self._h5.create_dataset(
+        return h5.create_dataset(
             name,
             shape=(n, *spec.sample_shape),
             maxshape=(None, *spec.sample_shape),
@@ -156,6 +268,148 @@ class H5Writer:
             fletcher32=checksum,
             fillvalue=np.zeros((), spec.dtype),
         )
+
+    # -------------------------------------------------------------------------------- resume
+
+    def _restart(self, reason: str) -> None:
+        """Give up on a leftover build: say why (warning + ``restart_reason``) and remove its files."""
+        self.restart_reason = reason
+        warnings.warn(
+            f"discarding the interrupted HDF5 build {self.file}: {reason}; rebuilding from scratch",
+            StaleStagingWarning,
+            stacklevel=4,
+        )
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        for leftover in (
+            self.file,
+            self.progress_file,
+            _partial(self.file),
+            progress_file(_partial(self.file)),
+        ):
+            leftover.unlink(missing_ok=True)
+
+    def _salvage(self) -> tuple[h5py.File, list[_Row]] | None:
+        """The leftover file (open read-only) and its logged rows, or None (leftovers removed)."""
+        for partial in (_partial(self.file), progress_file(_partial(self.file))):
+            partial.unlink(missing_ok=True)  # a resume killed while copying: its source is still intact
+        if not self.file.exists():
+            self._remove_leftovers()
+            return None
+        layout, rows = read_progress(self.progress_file)
+        if layout is None:
+            self._restart(f"its progress log {self.progress_file.name} is missing or unreadable")
+            return None
+        if layout != self.layout_id:
+            self._restart("it was written with other arrays, counts, chunking, codec, attributes or h5py")
+            return None
+        if not rows:
+            self._remove_leftovers()  # nothing durable yet: not worth a message
+            return None
+        try:
+            old = h5py.File(self.file, "r", rdcc_nbytes=0)
+        except Exception as exc:  # noqa: BLE001 - whatever HDF5 says, the file is not usable
+            self._restart(f"the file cannot be opened ({type(exc).__name__}: {exc})")
+            return None
+        return old, rows
+
+    def _replay(self, old: h5py.File, rows: list[_Row]) -> None:
+        """Copy the logged rows whose stored bytes still match their crc32, in log order, into the new file.
+
+        The copy is of stored (compressed) chunk bytes, so no sample is decoded or
+        recompressed; it stops at the first row that is missing, mismatched or out of order.
+        """
+        try:
+            for row in rows:
+                if row.group not in self._members or row.index != self._rows[row.group]:
+                    break
+                if sorted(row.crcs) != self._members[row.group]:
+                    break
+                chunks: dict[str, tuple[int, bytes]] = {}
+                for name in self._members[row.group]:
+                    try:
+                        offset = (row.index * self.chunk_samples,) + (0,) * len(self.specs[name].sample_shape)
+                        mask, raw = old[name].id.read_direct_chunk(offset)
+                    except Exception:  # noqa: BLE001 - missing or unreadable: the prefix ends here
+                        break
+                    if zlib.crc32(raw) != row.crcs[name]:
+                        break
+                    chunks[name] = (int(mask), bytes(raw))
+                if len(chunks) != len(self._members[row.group]):
+                    break
+                self._write_row(row.group, direct=chunks)
+        finally:
+            old.close()
+
+    def resume_samples(self, group: str = "") -> int:
+        """Leading samples of ``group`` already stored (0 for a fresh build); continue writing from there."""
+        group = group.strip("/")
+        if group not in self._rows:
+            raise EntryWriteError(
+                f"unknown group {group!r} in HDF5 entry {self.file}; groups are {self.groups}"
+                + _did_you_mean(group, self.groups)
+            )
+        return min(self._rows[group] * self.chunk_samples, self.num_samples[group])
+
+    # ------------------------------------------------------------------------- progress log
+
+    def _open_log(self, path: Path) -> None:
+        self._log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+        _append_line(self._log_fd, {"format": PROGRESS_FORMAT, "layout": self.layout_id})
+        os.fsync(self._log_fd)
+
+    def _close_log(self) -> None:
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def _write_row(
+        self,
+        group: str,
+        *,
+        data: Mapping[str, np.ndarray] | None = None,
+        direct: Mapping[str, tuple[int, bytes]] | None = None,
+    ) -> None:
+        """Write chunk ``self._rows[group]`` of each array of ``group``, flush, and log it with crc32s."""
+        index = self._rows[group]
+        crcs: dict[str, int] = {}
+        for name in self._members[group]:
+            dset = self._dsets[name]
+            offset = (index * self.chunk_samples,) + (0,) * (dset.ndim - 1)
+            if direct is not None:
+                mask, raw = direct[name]
+                dset.id.write_direct_chunk(offset, raw, mask)
+            else:
+                assert data is not None
+                chunk = data[name]
+                self._checked_write(dset, name, index, chunk)
+                raw = dset.id.read_direct_chunk(offset)[1]  # what is stored, from the page cache
+            crcs[name] = zlib.crc32(raw)
+        # Flush before logging: a logged row is in the file's chunk index on disk.
+        self._h5.flush()
+        assert self._log_fd is not None
+        _append_line(self._log_fd, {"g": group, "i": index, "crc": crcs})
+        self._rows[group] = index + 1
+        if time.monotonic() - self._last_sync >= SYNC_EVERY_S:
+            # Durable against power loss every few seconds; the log is fsynced after the file,
+            # so a durable log line describes durable chunks (and resume re-checks them anyway).
+            os.fsync(self._h5.id.get_vfd_handle())
+            os.fsync(self._log_fd)
+            self._last_sync = time.monotonic()
+
+    def _checked_write(self, dset: h5py.Dataset, name: str, index: int, chunk: np.ndarray) -> None:
+        lo = index * self.chunk_samples
+        try:
+            dset[lo : lo + len(chunk)] = chunk
+        except OSError as exc:
+            if exc.errno in FULL_DISK_ERRNOS:
+                raise StoreFullError(
+                    None, str(self.file), free_bytes(self.file), f"chunk {index} of array {name!r}"
+                ) from exc
+            raise
+
+    # -------------------------------------------------------------------------------- writing
 
     def received(self, name: str) -> int:
         """Samples accepted so far for array ``name``."""
@@ -186,6 +440,7 @@ class H5Writer:
             raise EntryWriteError(f"batch for group {group!r} of {self.file} mixes sample counts: {lengths}")
         for name, data in prepared.items():
             self._append(name, data)
+        self._drain(group)
 
     def _check_batch(self, name: str, group: str, data: np.ndarray) -> np.ndarray:
         if name not in self.specs:
@@ -226,12 +481,14 @@ class H5Writer:
             if self._filled[name] == c:
                 self._flush(name)
         while len(data) - pos >= c:  # whole chunks straight from the caller's batch
-            self._store(name, np.ascontiguousarray(data[pos : pos + c], dtype=self.specs[name].dtype))
+            self._queue(name, data[pos : pos + c])
             pos += c
         if pos < len(data):
             rest = len(data) - pos
             self._buffer(name)[:rest] = data[pos:]
             self._filled[name] = rest
+        if self._filled[name] and self.received(name) == self.num_samples[split_name(name)[0]]:
+            self._flush(name)  # the group's short last chunk: written in its row, not at close()
 
     def _buffer(self, name: str) -> np.ndarray:
         if name not in self._buffers:
@@ -240,16 +497,24 @@ class H5Writer:
         return self._buffers[name]
 
     def _flush(self, name: str) -> None:
-        self._store(name, self._buffers[name][: self._filled[name]])
+        self._queue(name, self._buffers[name][: self._filled[name]])
         self._filled[name] = 0
 
-    def _store(self, name: str, data: np.ndarray) -> None:
-        start = self._written[name]
-        self._dsets[name][start : start + len(data)] = data
-        self._written[name] = start + len(data)
+    def _queue(self, name: str, chunk: np.ndarray) -> None:
+        """Hold a whole chunk until its row is complete (a copy: the caller may reuse its array)."""
+        self._pending[name].append(np.array(chunk, dtype=self.specs[name].dtype, order="C"))
+        self._written[name] += len(chunk)
+
+    def _drain(self, group: str) -> None:
+        members = self._members[group]
+        while all(self._pending[name] for name in members):
+            self._write_row(group, data={name: self._pending[name].pop(0) for name in members})
 
     def close(self) -> None:
-        """Flush the last (possibly short) chunks, mark the file complete; raise if any count is off."""
+        """Flush the last (possibly short) chunks, mark the file complete; raise if any count is off.
+
+        On success the progress log is removed (it is not part of the entry).
+        """
         if self._closed:
             return
         self._closed = True
@@ -267,17 +532,24 @@ class H5Writer:
             for name in self.specs:
                 if self._filled[name]:
                     self._flush(name)
+            for group in self.groups:
+                self._drain(group)
             self._h5.attrs[_ATTR_COMPLETE] = True
         finally:
             self._buffers.clear()
+            self._pending.clear()
             self._h5.close()
+            self._close_log()
+        self.progress_file.unlink(missing_ok=True)
 
     def abort(self) -> None:
-        """Stop without marking the file complete (readers refuse it); the caller removes the file."""
+        """Stop without marking the file complete (readers refuse it); the progress log stays for a resume."""
         if not self._closed:
             self._closed = True
             self._buffers.clear()
+            self._pending.clear()
             self._h5.close()
+            self._close_log()
 
     def __enter__(self) -> H5Writer:
         return self
@@ -288,15 +560,107 @@ class H5Writer:
         if exc_type is None:
             self.close()
         else:
-            self.abort()  # abandoned: the catalog's staging cleanup removes the file
+            self.abort()  # abandoned: the catalog's staging cleanup removes the file, or a resume continues
+
+
+# ------------------------------------------------------------------------------------ progress log
+
+
+@dataclass(frozen=True)
+class _Row:
+    group: str
+    index: int
+    crcs: dict[str, int]
+
+
+def progress_file(file: Path) -> Path:
+    """The progress log beside an HDF5 entry file (``entry.h5`` -> ``entry.h5.progress``)."""
+    return file.with_name(file.name + ".progress")
+
+
+def _partial(file: Path) -> Path:
+    return file.with_name(file.name + ".partial")
+
+
+def _layout_id(
+    specs: Mapping[str, ArraySpec],
+    counts: Mapping[str, int],
+    chunk_samples: int,
+    compressor: str,
+    level: int,
+    checksum: bool,
+    attrs_json: str,
+) -> str:
+    """A digest of everything that decides the file's bytes, library versions included."""
+    doc = {
+        "format": FORMAT,
+        "arrays": {n: [list(s.sample_shape), s.dtype] for n, s in sorted(specs.items())},
+        "counts": dict(sorted(counts.items())),
+        "chunk_samples": chunk_samples,
+        "codec": [compressor, level, checksum],
+        "attrs": attrs_json,
+        "h5py": h5py.version.version,
+        "hdf5": h5py.version.hdf5_version,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _append_line(fd: int, record: dict[str, Any]) -> None:
+    """Append one self-checking line: ``json<TAB>crc32(json)``; a torn last line fails its check."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    line = f"{text}\t{zlib.crc32(text.encode()):08x}\n".encode()
+    view = memoryview(line)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def read_progress(path: Path) -> tuple[str | None, list[_Row]]:
+    """(layout id, logged rows) of a progress log; (None, []) if it is missing or its header is bad.
+
+    Reading stops at the first line that is torn or fails its crc32 (what a kill mid-append leaves).
+    """
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError:
+        return None, []
+    records: list[dict[str, Any]] = []
+    for line in lines:
+        text, _, crc = line.decode("utf-8", "replace").rpartition("\t")
+        if not text or crc != f"{zlib.crc32(text.encode()):08x}":
+            break
+        try:
+            records.append(json.loads(text))
+        except ValueError:
+            break
+    if not records or records[0].get("format") != PROGRESS_FORMAT:
+        return None, []
+    rows = []
+    for rec in records[1:]:
+        try:
+            rows.append(_Row(str(rec["g"]), int(rec["i"]), {str(k): int(v) for k, v in rec["crc"].items()}))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            break
+    return str(records[0].get("layout")), rows
 
 
 class H5Reader:
-    """Read a sample-chunked HDF5 entry; turns checksum/decode failures into CorruptChunkError."""
+    """Read a sample-chunked HDF5 entry; turns checksum/decode failures into CorruptChunkError.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``throttle``: a slow-storage profile (``sdcard``, ``emmc``, ``ssd``, a
+    :class:`~stores.throttle.ThrottleProfile` or a shared device) to read the file through
+    :class:`~stores.throttle.ThrottledFile`, for benchmarks and tests; ``device`` then
+    holds the simulated device's statistics.
+    """
+
+    # h5py reads and decodes a chunk in one call: fetch_chunk does all the work and
+    # decode_chunk is the identity, so a prefetcher runs them as one stage.
+    SEPARATE_DECODE = False
+
+    def __init__(self, path: str | os.PathLike[str], *, throttle: Any = None) -> None:
         self.path = Path(path)
         self.file = entry_file(self.path)
+        self.device = None if throttle is None else as_device(throttle)
+        self._fileobj: ThrottledFile | None = None
         self._handle: h5py.File | None = None
         self._pid: int | None = None
         self._locks: dict[int, threading.Lock] = {}
@@ -316,7 +680,7 @@ class H5Reader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_handle=None, _pid=None, _locks={}, _dsets={})
+        state.update(_handle=None, _pid=None, _locks={}, _dsets={}, _fileobj=None)
         return state
 
     def _lock(self) -> threading.Lock:
@@ -337,7 +701,11 @@ class H5Reader:
         try:
             # No chunk cache: every read_chunk decodes a chunk once; caching would only hold
             # copies of data the pipeline already has (RAM is scarce on the devices this targets).
-            self._handle = h5py.File(self.file, "r", rdcc_nbytes=0)
+            if self.device is None:
+                self._handle = h5py.File(self.file, "r", rdcc_nbytes=0)
+            else:
+                self._fileobj = ThrottledFile(self.file, self.device)
+                self._handle = h5py.File(self._fileobj, "r", rdcc_nbytes=0)
         except (OSError, ValueError) as exc:
             raise EntryReadError(
                 f"{self.file} cannot be opened as an HDF5 file: {exc}. Expected a complete HDF5 entry "
@@ -359,7 +727,9 @@ class H5Reader:
         with self._lock():
             if self._handle is not None and self._pid == os.getpid():
                 self._handle.close()
-            self._handle, self._pid, self._dsets = None, None, {}
+                if self._fileobj is not None:
+                    self._fileobj.close()
+            self._handle, self._pid, self._dsets, self._fileobj = None, None, {}, None
 
     def __enter__(self) -> H5Reader:
         return self
@@ -465,6 +835,14 @@ class H5Reader:
             for name in sorted(self._specs)
             if split_name(name)[0] == group
         }
+
+    def fetch_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
+        """Same as :meth:`read_chunk` (HDF5 reads and decodes in one call); see ``SEPARATE_DECODE``."""
+        return self.read_chunk(group, index)
+
+    def decode_chunk(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The identity: :meth:`fetch_chunk` already decoded the chunk."""
+        return raw
 
     def read(self, group: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Samples ``[start, stop)`` of array ``name`` (leaf name within ``group``)."""

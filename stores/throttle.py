@@ -46,6 +46,10 @@ Profiles (decimal MB = 1e6 bytes, as storage vendors quote them)
 Custom devices: ``ThrottleProfile(read_bytes_per_s, write_bytes_per_s, read_latency_s,
 write_latency_s)``.
 
+HDF5 entries read through :class:`ThrottledFile`, a read-only binary file object that
+``h5py.File(ThrottledFile(path, "sdcard"), "r")`` accepts: each ``read``/``readinto`` HDF5
+issues (superblock, object headers, B-tree nodes, one whole chunk) is one read command.
+
 What is and is not modelled: data transfers (``get``/``set`` values, zarr chunk and metadata
 reads/writes, partial reads) are throttled. Metadata-only operations (``exists``, listing,
 ``delete``) are not: the kernel caches directory entries, so on a real card they rarely wait on
@@ -74,7 +78,9 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import io
 import math
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -95,6 +101,7 @@ __all__ = [
     "ThrottleDevice",
     "ThrottleProfile",
     "ThrottleStats",
+    "ThrottledFile",
     "ThrottledStore",
     "ThrottledZarrStore",
     "get_profile",
@@ -493,3 +500,57 @@ class ThrottledZarrStore(ZarrLocalStore):
         t0 = time.monotonic()
         super().set_sync(key, value)
         self.device.write(len(value), t0)
+
+
+class ThrottledFile(io.RawIOBase):
+    """A read-only binary file whose reads cost what they would on a slow device.
+
+    For HDF5 (h5py's file-object driver calls ``readinto``/``seek``/``tell``): every read
+    is one command of the bytes actually returned, booked on ``profile``'s device timeline
+    (share a :class:`ThrottleDevice` to model several files on one card). Seeking is free,
+    as the kernel does not touch the card for it.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], profile: ThrottleProfile | str | ThrottleDevice = "sdcard"
+    ):
+        super().__init__()
+        self.path = Path(path)
+        self.device = as_device(profile)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+
+    def __repr__(self) -> str:
+        return f"ThrottledFile('{self.path}', {self.device.profile.name!r})"
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._checkClosed()
+        return os.lseek(self._fd, offset, whence)
+
+    def tell(self) -> int:
+        return self.seek(0, io.SEEK_CUR)
+
+    def readinto(self, buffer: Any) -> int:
+        self._checkClosed()
+        t0 = time.monotonic()
+        n = os.readv(self._fd, [buffer])
+        if n:
+            self.device.read(n, t0)
+        return n
+
+    def stats(self) -> ThrottleStats:
+        return self.device.stats()
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()

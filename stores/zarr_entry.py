@@ -50,7 +50,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
-from zarr.core.buffer import Buffer
+from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import LocalStore as ZarrLocalStore
 from zarr.storage import MemoryStore
@@ -220,6 +220,27 @@ class ChunkProblem:
 
     def describe(self) -> str:
         return f"chunk {self.chunk} of array {self.array!r}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """The stored, still encoded bytes of one chunk of each array of a group (:meth:`ZarrReader.fetch_chunk`).
+
+    ``data`` maps full array name -> the chunk file's bytes (a zarr ``Buffer``). Splitting a
+    chunk read into this I/O half and a CPU half (:meth:`ZarrReader.decode_chunk`) lets a
+    prefetcher keep slow storage busy on one thread while another decompresses.
+    """
+
+    group: str
+    index: int
+    lo: int
+    hi: int
+    data: Mapping[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes held (what this chunk costs in a queue of fetched chunks)."""
+        return sum(len(buf) for buf in self.data.values())
 
 
 def _chunk_key(arr: Any, index: int) -> str:
@@ -766,6 +787,10 @@ class ZarrReader:
     hierarchy at its root; ``path`` is then used for messages only.
     """
 
+    # read_chunk = decode_chunk(fetch_chunk(...)), and only fetch_chunk does I/O: a prefetcher
+    # may run the two halves on different threads.
+    SEPARATE_DECODE = True
+
     def __init__(self, path: str | os.PathLike[str], *, zarr_store: Any | None = None) -> None:
         self.path = Path(path)
         self._zarr_store = zarr_store
@@ -832,19 +857,84 @@ class ZarrReader:
 
     def read_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
         """All arrays of ``group`` for the samples of chunk ``index`` (leaf name -> array)."""
+        return self.decode_chunk(self.fetch_chunk(group, index))
+
+    def fetch_chunk(self, group: str, index: int) -> RawChunk:
+        """The I/O half of :meth:`read_chunk`: encoded bytes of chunk ``index`` of every array of ``group``.
+
+        One whole-object ``get`` per array from the store (so a throttled store charges its
+        latency and transfer here, and nothing in :meth:`decode_chunk` touches storage). A
+        missing chunk file is a :class:`CorruptChunkError` here already, as in :meth:`read`.
+        """
         group = self._group(group)
         total = self.num_chunks(group)
         if not isinstance(index, int | np.integer) or not 0 <= index < total:
             raise EntryReadError(
                 f"chunk index {index!r} out of range for group {group!r} ({total} chunks) in {self.path}"
             )
+        index = int(index)
         c = self._chunk[group]
         lo, hi = index * c, min((index + 1) * c, self._count[group])
-        return {
-            split_name(name)[1]: self._read_in_chunk(name, int(index), lo, hi)
-            for name in sorted(self._arrays)
-            if split_name(name)[0] == group
-        }
+        names = [name for name in sorted(self._arrays) if split_name(name)[0] == group]
+        keys = {name: _chunk_key(self._arrays[name], index) for name in names}
+
+        async def get_all() -> list[Any]:
+            # One trip to zarr's event loop for the whole chunk: the requests queue back to back
+            # on the device instead of leaving it idle while this thread wakes up between them.
+            prototype = default_buffer_prototype()
+            gets = []
+            for name in names:
+                where = self._arrays[name].store_path
+                gets.append(
+                    where.store.get(f"{where.path}/{keys[name]}" if where.path else keys[name], prototype)
+                )
+            return list(await asyncio.gather(*gets))
+
+        data: dict[str, Any] = {}
+        for name, buf in zip(names, sync(get_all()), strict=True):
+            if buf is None:
+                raise CorruptChunkError(
+                    str(self.path), name, index, f"chunk file {name}/{keys[name]} is missing"
+                )
+            data[name] = buf
+        return RawChunk(group, index, lo, hi, data)
+
+    def decode_chunk(self, raw: RawChunk) -> dict[str, np.ndarray]:
+        """The CPU half of :meth:`read_chunk`: crc32c check, decompression and bytes -> array (leaf -> array).
+
+        Runs each array's own zarr codecs (the ones named in its ``zarr.json``) in reverse,
+        so the crc32c check and the errors are exactly those of a stock zarr read; a failure
+        is a :class:`CorruptChunkError` naming the entry, array and chunk.
+        """
+        out: dict[str, np.ndarray] = {}
+        for name, buf in raw.data.items():
+            out[split_name(name)[1]] = self._decode(name, raw.index, buf)[: raw.hi - raw.lo]
+        return out
+
+    def _decode(self, name: str, index: int, buf: Any) -> np.ndarray:
+        arr = self._arrays[name]
+        inner = arr._async_array
+        pipeline = inner.codec_pipeline
+        stages = ("array_array_codecs", "array_bytes_codec", "bytes_bytes_codecs")
+        if not all(hasattr(pipeline, a) for a in stages) or not hasattr(inner.metadata, "get_chunk_spec"):
+            # A zarr without these hooks: decode by reading the chunk the stock way (I/O again).
+            c, n = int(arr.chunks[0]), int(arr.shape[0])
+            return self._read_in_chunk(name, index, index * c, min((index + 1) * c, n))
+        coords = (index,) + (0,) * (arr.ndim - 1)
+        spec = inner.metadata.get_chunk_spec(coords, inner.config, default_buffer_prototype())
+        try:
+            value: Any = buf
+            for codec in reversed(pipeline.bytes_bytes_codecs):
+                value = codec._decode_sync(value, spec)
+            value = pipeline.array_bytes_codec._decode_sync(value, spec)
+            for codec in reversed(pipeline.array_array_codecs):
+                value = codec._decode_sync(value, spec)
+            out = np.asarray(value.as_numpy_array())
+        except _DECODE_ERRORS as exc:
+            # crc32c mismatch raises ValueError; a damaged zstd/blosc frame raises RuntimeError.
+            raise CorruptChunkError(str(self.path), name, index, f"{type(exc).__name__}: {exc}") from exc
+        # A codec may hand back a view of its immutable bytes; callers (torch) expect to own the array.
+        return out if out.flags.writeable else out.copy()
 
     def read(self, group: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Samples ``[start, stop)`` of array ``name`` (leaf name within ``group``)."""

@@ -109,7 +109,8 @@ def test_every_stage_round_trips_its_config(name: str) -> None:
     cls = stage_types()[name]
     # minimal valid config: fill required fields with plausible values
     required = {f: info for f, info in cls.model_fields.items() if info.is_required()}
-    sample = {"input": "a", "model": "m", "root": "/tmp", "batch_size": 8, "train_last_blocks": 2}
+    sample = {"input": "a", "model": "m", "root": "/tmp", "batch_size": 8, "train_last_blocks": 2,
+              "memory_budget_mib": 16}
     stage = cls.model_validate({f: sample[f] for f in required})
     again = Stage.from_config(json.loads(json.dumps(stage.to_config())))
     assert again == stage and type(again) is cls

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from .prefetch import prefetch
 from .shuffle import window_shuffle
 
 SPEC_ATTR = "pipeline_spec"
+# Bytes an encoded chunk may exceed its decoded size by (frame headers, crc32c), per chunk.
+_ENCODED_SLACK = 4096
 
 
 def spec_to_json(spec: Spec) -> dict[str, Any]:
@@ -114,11 +117,12 @@ def write_stream(
 ) -> dict[str, Any]:
     """Write every split of ``stream`` into ``entry_dir`` (zarr v3 ``data.zarr`` or HDF5 ``entry.h5``).
 
-    A zarr build resumes: chunks a killed or interrupted build already wrote (and that
+    Both backends resume: chunks a killed or interrupted build already wrote (and that
     still verify) are kept, and the stream is reopened at the first missing sample, so
     upstream work (decode, frozen forward) is not redone for them. The result is
     bit-identical to an uninterrupted build because chunks are a pure function of the
-    samples and the codec. HDF5 files are not resumable and restart from scratch.
+    samples and the codec, written in one canonical order (for HDF5 the kept chunks are
+    copied, still compressed, into a fresh file: see :mod:`stores.h5_entry`).
     """
     spec = stream.spec
     chunk = chunk_samples_for(spec, chunk_bytes)
@@ -131,12 +135,13 @@ def write_stream(
     attrs = {**attrs, SPEC_ATTR: spec_to_json(spec)}
     writer: Any
     if fmt == "hdf5":
-        leftover = entry_dir / H5_FILE
-        if leftover.exists():
-            leftover.unlink()
+        # Resumes from the rows its progress log records and that still match their crc32
+        # (see stores.h5_entry); anything else is discarded with a message.
         writer = H5Writer(
-            entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level
+            entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level, resume=True
         )
+        if writer.restart_reason is not None and log is not None:
+            log(f"could not resume the interrupted HDF5 build ({writer.restart_reason}); starting over")
     else:
         # "wipe": a leftover written with other chunking/codec settings is rebuilt, never mixed in.
         writer = ZarrWriter(
@@ -150,7 +155,7 @@ def write_stream(
             resume=True,
             on_mismatch="wipe",
         )
-    done = {split: writer.resume_samples(split) if fmt == "zarr" else 0 for split in spec.splits}
+    done = {split: writer.resume_samples(split) for split in spec.splits}
     if any(done.values()) and log is not None:
         kept = ", ".join(f"{split} {n}/{counts[split]}" for split, n in done.items())
         log(f"resuming an interrupted build: kept verified chunks ({kept} samples)")
@@ -187,9 +192,7 @@ def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
     through the simulator: for benchmarks and tests of prefetching, never for real runs.
     """
     if (entry_dir / H5_FILE).is_file():
-        if throttle is not None:
-            raise ValueError(f"read throttling is only supported for zarr entries; {entry_dir} is HDF5")
-        return H5Reader(entry_dir / H5_FILE)
+        return H5Reader(entry_dir / H5_FILE, throttle=throttle)
     store = None
     if throttle is not None:
         store = ThrottledZarrStore(entry_dir / ZARR_DIR, throttle, read_only=True)
@@ -200,10 +203,23 @@ class StoredStream(Stream):
     """A committed cache entry read as a stream.
 
     Reads are whole chunks (large and sequential, what SD cards and eMMC do well), run
-    ahead of the consumer on a background thread. Memory held by the reader is bounded:
-    at most ``prefetch_depth`` decoded chunks queued, fewer if ``prefetch_max_bytes``
-    says so, plus the chunk being decoded, plus the shuffle window of ``window_chunks``
-    chunks on training passes.
+    ahead of the consumer in two stages on two threads, so storage, decompression and
+    compute overlap and an epoch takes about max(I/O, decode, compute), not their sum:
+
+    - **fetch**: the encoded bytes of the next chunk of every array (the only stage that
+      touches storage, so a slow card is kept busy back to back);
+    - **decode**: crc32c check, decompression, bytes -> tensors.
+
+    Each stage hands over through a bounded queue. ``prefetch_depth`` (capped by
+    ``prefetch_max_bytes``) is the number of chunks queued across both stages: half of
+    it (rounded down) for fetched chunks, the rest for decoded ones; with a depth of 1,
+    or for HDF5 entries (h5py reads and decodes a chunk in one call), one thread does
+    both. Memory held by the reader is bounded by :meth:`memory_bound`: the queued
+    chunks, one chunk in flight in each thread and in the consumer, plus the shuffle
+    window of ``window_chunks`` chunks on training passes. ``prefetch_max_bytes`` counts
+    every queued chunk, fetched or decoded, at its decoded size: zstd/blosc store
+    incompressible blocks raw, so an encoded chunk is at most frame headers and a
+    checksum larger (``_ENCODED_SLACK``, which :meth:`memory_bound` adds).
     """
 
     def __init__(
@@ -231,6 +247,13 @@ class StoredStream(Stream):
     def stored_bytes(self) -> int:
         return self.size_bytes
 
+    @property
+    def throttle_device(self) -> Any:
+        """The simulated device reads go through (its ``stats()``), or None when not throttled."""
+        device = getattr(self.reader, "device", None)
+        store = getattr(self.reader, "_zarr_store", None)
+        return device if device is not None else getattr(store, "device", None)
+
     def chunk_bytes(self, split: str) -> int:
         """Decoded bytes of one chunk of ``split``: the unit of read-ahead memory."""
         return self.reader.chunk_samples(split) * self.spec.splits[split].sample_bytes()
@@ -241,15 +264,56 @@ class StoredStream(Stream):
             return self.prefetch_depth
         return max(1, min(self.prefetch_depth, self.prefetch_max_bytes // max(1, self.chunk_bytes(split))))
 
-    def _chunks(self, split: str, order: np.ndarray) -> Iterator[Batch]:
-        import time
+    def stage_depths(self, split: str) -> tuple[int, int]:
+        """(fetched, decoded): queue lengths of the two read-ahead stages; fetched 0 = one stage."""
+        total = self.read_ahead(split)
+        if total <= 1 or not getattr(self.reader, "SEPARATE_DECODE", False):
+            return 0, total
+        return total // 2, total - total // 2
 
+    def memory_bound(self, split: str, *, shuffle: bool = True) -> int:
+        """Bytes of chunk data the reader holds at most while reading ``split`` (see the class docstring).
+
+        Queued chunks plus one in flight per thread (fetch: one encoded; decode: one encoded
+        and one decoded; single stage: one decoded) plus one held by the consumer, plus the
+        shuffle window on shuffled passes. Python/torch object overheads are the small constant
+        on top that the benchmark reports.
+        """
+        per = self.chunk_bytes(split) + _ENCODED_SLACK
+        fetched, decoded = self.stage_depths(split)
+        in_flight = (3 if fetched else 1 if decoded else 0) + 1
+        window = self.window_chunks * self.chunk_bytes(split) if shuffle else 0
+        return (fetched + decoded + in_flight) * per + window
+
+    def _fetch(self, split: str, order: np.ndarray) -> Iterator[tuple[Any, float]]:
         for index in order:
             t0 = time.perf_counter()
-            arrays = self.reader.read_chunk(split, int(index))
-            batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-            self.stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
-            yield batch
+            raw = self.reader.fetch_chunk(split, int(index))
+            yield raw, time.perf_counter() - t0
+
+    def _decode(self, fetched: Iterator[tuple[Any, float]]) -> Iterator[Batch]:
+        try:
+            for raw, fetch_s in fetched:
+                t0 = time.perf_counter()
+                arrays = self.reader.decode_chunk(raw)
+                del raw  # the encoded bytes are not held while this batch waits in the queue
+                batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+                self.stats.add(fetch_s + time.perf_counter() - t0, len(next(iter(batch.values()))))
+                yield batch
+        finally:
+            # Stop the fetch thread now: a decode error's traceback (kept by the caller) would
+            # otherwise keep the fetch stage alive, blocked on its full queue.
+            close = getattr(fetched, "close", None)
+            if close is not None:
+                close()
+
+    def _chunks(self, split: str, order: np.ndarray) -> Iterator[Batch]:
+        """Decoded chunks in ``order``, read ahead by the fetch and decode threads."""
+        fetched, decoded = self.stage_depths(split)
+        raw: Iterator[tuple[Any, float]] = self._fetch(split, order)
+        if fetched:
+            raw = prefetch(raw, fetched, name=f"fetch-{split}")
+        return prefetch(self._decode(raw), decoded, name=f"decode-{split}")
 
     def open(
         self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
@@ -264,7 +328,7 @@ class StoredStream(Stream):
         else:
             per = self.reader.chunk_samples(split)
             order = np.arange(start // per, n_chunks)
-        chunks = prefetch(self._chunks(split, order), self.read_ahead(split), name=f"read-{split}")
+        chunks = self._chunks(split, order)
         if not shuffle:
             skip = start % self.reader.chunk_samples(split)
             for batch in chunks:

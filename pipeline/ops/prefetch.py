@@ -4,6 +4,9 @@ A thread fills a queue of at most ``depth`` items; torch and zarr release the GI
 in their heavy parts, so producer and consumer genuinely overlap. Errors in the
 producer are re-raised in the consumer, and abandoning the iterator (break,
 exception, Ctrl-C) stops the thread instead of leaving it blocked on a full queue.
+Prefetches chain: ``prefetch(decode(prefetch(fetch(...))))`` runs storage reads and
+decoding on two threads, each stage bounded by its own queue, and stopping the outer
+one stops the inner one.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
             put(_DONE)
         except BaseException as exc:  # forwarded to the consumer, which re-raises it
             put(_Failure(exc))
+        finally:
+            # Close a generator source now, on this thread, so a chained prefetch (fetch ->
+            # decode -> consumer) stops its own thread too instead of waiting for the GC.
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
     thread = threading.Thread(target=produce, name=name, daemon=True)
     thread.start()

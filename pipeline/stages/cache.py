@@ -52,7 +52,7 @@ class Cache(Stage):
         4, ge=1, description="shuffle window in chunks: larger = more random, more memory"
     )
     read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
-        None, description="simulate slow storage when reading (benchmarks, tests); zarr only"
+        None, description="simulate slow storage when reading (benchmarks, tests); zarr and hdf5"
     )
 
     @model_validator(mode="after")
@@ -66,8 +66,6 @@ class Cache(Stage):
         lo, hi = LEVELS.get(codec, (0, 22))
         if codec in LEVELS and not lo <= self.level <= hi:
             raise ValueError(f"level {self.level} is out of range for {codec}: expected {lo}..{hi}")
-        if self.read_through is not None and self.format != "zarr":
-            raise ValueError("read_through (slow-storage simulation) is only supported with format: zarr")
         return self
 
     @property

@@ -225,8 +225,8 @@ def test_bad_batches_are_explained(tmp_path: Path) -> None:
         H5Writer(tmp_path / "c.h5", SPECS, 4, 2, level=12)
     with pytest.raises(StoreNotFoundError, match="does not exist"):
         H5Writer(tmp_path / "no" / "dir.h5", SPECS, 4, 2)
-    # refused writers leave no file behind
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.h5"]
+    # refused writers leave no file behind; the aborted one keeps its progress log for a resume
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.h5", "e.h5.progress"]
 
 
 def test_reader_errors_name_group_and_range(tmp_path: Path) -> None:

@@ -1,0 +1,260 @@
+"""The cache operator's reader and writer on real entries: two-stage read-ahead, HDF5 throttle and resume.
+
+No mocks: entries are written with ``write_stream`` into temporary directories and read
+back with ``StoredStream``; corruption is a flipped byte in a real chunk file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from pipeline.ops.batching import Batch
+from pipeline.ops.cache import H5_FILE, ZARR_DIR, StoredStream, write_stream
+from pipeline.ops.prefetch import prefetch
+from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
+from pipeline.stream import Stream, StreamStats
+from stores.errors import CorruptChunkError
+from stores.throttle import ThrottledFile, ThrottleProfile
+from stores.zarr_entry import ZarrReader
+
+SHAPE = (3, 5)
+PER_SAMPLE = 3 * 5 * 2 + 8 + 8
+
+
+class Numbers(Stream):
+    """Deterministic samples; ``fail_after`` batches raises, like a build interrupted mid-way."""
+
+    def __init__(self, counts: dict[str, int], fail_after: int | None = None) -> None:
+        fields = {"x": FieldSpec(SHAPE, "float16"), "y": FieldSpec((), "int64"), "id": FieldSpec((), "int64")}
+        self.spec = Spec(STREAM, 10, {s: SplitSpec(n, fields) for s, n in counts.items()}, {})
+        self.stats = StreamStats()
+        self.counts = counts
+        self.fail_after = fail_after
+        self.opened_at: list[int] = []
+
+    def open(
+        self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
+        self.opened_at.append(start)
+        for lo in range(start, self.counts[split], 7):
+            if self.fail_after is not None:
+                if self.fail_after == 0:
+                    raise KeyboardInterrupt("simulated Ctrl-C")
+                self.fail_after -= 1
+            ids = torch.arange(lo, min(lo + 7, self.counts[split]))
+            x = torch.sin(ids[:, None, None] * 0.1 + torch.arange(15).reshape(SHAPE)).to(torch.float16)
+            yield {"x": x, "y": ids % 10, "id": ids}
+
+
+COUNTS = {"train": 230, "val": 41}
+
+
+def build(entry: Path, fmt: str = "zarr", stream: Stream | None = None) -> dict:
+    codec = ("zstd", 3) if fmt == "zarr" else ("gzip", 4)
+    return write_stream(
+        stream or Numbers(COUNTS),
+        entry,
+        chunk_bytes=16 * PER_SAMPLE,
+        compressor=codec[0],
+        level=codec[1],
+        attrs={"test": True},
+        fmt=fmt,
+    )
+
+
+def read_all(stream: StoredStream, split: str = "train", **kw: object) -> dict[str, torch.Tensor]:
+    batches = list(stream.open(split, **kw))  # type: ignore[arg-type]
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+@pytest.fixture(scope="module")
+def zarr_entry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    entry = tmp_path_factory.mktemp("zarr")
+    build(entry)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def h5_entry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    entry = tmp_path_factory.mktemp("h5")
+    build(entry, "hdf5")
+    return entry
+
+
+# ------------------------------------------------------------------------- two-stage read-ahead
+
+
+def test_fetch_then_decode_equals_a_stock_read(zarr_entry: Path) -> None:
+    reader = ZarrReader(zarr_entry / ZARR_DIR)
+    for index in (0, reader.num_chunks("train") - 1):  # a full chunk and the short tail
+        raw = reader.fetch_chunk("train", index)
+        assert raw.nbytes > 0 and set(raw.data) == {"train/id", "train/x", "train/y"}
+        got = reader.decode_chunk(raw)
+        lo, hi = raw.lo, raw.hi
+        for leaf in ("x", "y", "id"):
+            np.testing.assert_array_equal(got[leaf], reader.read("train", leaf, lo, hi))
+            assert got[leaf].flags.writeable
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 6])
+def test_every_depth_reads_the_same_samples(zarr_entry: Path, depth: int) -> None:
+    reference = read_all(StoredStream(zarr_entry, prefetch_depth=0))
+    stream = StoredStream(zarr_entry, prefetch_depth=depth)
+    fetched, decoded = stream.stage_depths("train")
+    assert fetched + decoded == depth and (fetched > 0) == (depth >= 2)
+    got = read_all(stream)
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    shuffled = read_all(stream, shuffle=True, seed=3, epoch=1)
+    assert sorted(shuffled["id"].tolist()) == list(range(COUNTS["train"]))
+    assert torch.equal(shuffled["x"][torch.argsort(shuffled["id"])], reference["x"])
+
+
+def test_prefetch_max_bytes_caps_both_stages_together(zarr_entry: Path) -> None:
+    stream = StoredStream(zarr_entry, prefetch_depth=8, prefetch_max_bytes=3 * 16 * PER_SAMPLE)
+    assert stream.read_ahead("train") == 3 and stream.stage_depths("train") == (1, 2)
+    # queued (3) + in flight: fetch 1 + decode 2 + consumer 1, plus the window
+    chunk = stream.chunk_bytes("train")
+    assert stream.memory_bound("train", shuffle=False) >= 7 * chunk
+    assert stream.memory_bound("train") == stream.memory_bound("train", shuffle=False) + 4 * chunk
+
+
+def test_corrupt_chunk_in_a_prefetched_training_read_names_it(tmp_path: Path) -> None:
+    build(tmp_path)
+    victim = ZarrReader(tmp_path / ZARR_DIR).chunk_key("train/x", 5)
+    path = tmp_path / ZARR_DIR / victim
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    stream = StoredStream(tmp_path, prefetch_depth=4)
+    with pytest.raises(CorruptChunkError, match=r"corrupt chunk 5 of array 'train/x'") as info:
+        read_all(stream, shuffle=True, seed=1)
+    assert info.value.chunk == 5 and info.value.array == "train/x"
+    path.unlink()  # a lost chunk file is named the same way, by the fetch stage
+    with pytest.raises(CorruptChunkError, match="chunk 5 of array 'train/x'.*missing"):
+        read_all(stream)
+
+
+def test_abandoning_a_read_stops_both_threads(zarr_entry: Path) -> None:
+    stream = StoredStream(zarr_entry, prefetch_depth=4, throttle="ssd")
+    it = stream.open("train", shuffle=True)
+    next(it)
+    it.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith(("fetch-", "decode-")) for t in threading.enumerate()):
+        assert time.monotonic() < deadline, " ".join(t.name for t in threading.enumerate())
+        time.sleep(0.01)
+
+
+def test_chained_prefetch_forwards_errors_from_the_inner_stage() -> None:
+    def source() -> Iterator[int]:
+        yield 1
+        raise OSError("card removed")
+
+    with pytest.raises(OSError, match="card removed"):
+        list(prefetch((v * 2 for v in prefetch(source(), 2)), 2))
+
+
+def test_fetch_overlaps_decode_on_a_throttled_read(zarr_entry: Path) -> None:
+    """Every chunk file is one device command, read exactly once per pass."""
+    slow = StoredStream(zarr_entry, prefetch_depth=4, throttle="sdcard")
+    slow.throttle_device.reset_stats()  # opening read the zarr.json documents
+    got = read_all(slow)
+    stats = slow.throttle_device.stats()
+    files = 3 * slow.reader.num_chunks("train")  # x, y and id: one chunk file each
+    assert stats.reads == files
+    assert torch.equal(got["x"], read_all(StoredStream(zarr_entry, prefetch_depth=0))["x"])
+
+
+# -------------------------------------------------------------------------------- HDF5 throttle
+
+
+def test_hdf5_entry_reads_through_the_simulator(h5_entry: Path, zarr_entry: Path) -> None:
+    reference = read_all(StoredStream(zarr_entry, prefetch_depth=0))
+    slow = StoredStream(h5_entry, prefetch_depth=2, throttle="sdcard")
+    assert slow.stage_depths("train") == (0, 2)  # h5py reads and decodes in one call: one stage
+    got = read_all(slow)
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    stats = slow.throttle_device.stats()
+    assert stats.reads > 0 and stats.bytes_read >= (h5_entry / H5_FILE).stat().st_size // 2
+    assert StoredStream(h5_entry).throttle_device is None
+
+
+def test_throttled_file_charges_every_read(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 4000)  # 1.024 MB
+    profile = ThrottleProfile(10e6, 10e6, 0.002, 0.0, name="slow")
+    with ThrottledFile(path, profile) as fh:
+        t0 = time.monotonic()
+        assert fh.read(500_000)[:3] == b"\x00\x01\x02"
+        fh.seek(1_000_000)
+        assert len(fh.read()) == 24_000
+        elapsed = time.monotonic() - t0
+        stats = fh.stats()
+    assert stats.bytes_read == 524_000
+    assert elapsed >= stats.read_busy_s >= 2 * 0.002 + 524_000 / 10e6
+
+
+def test_h5py_opens_an_entry_through_a_throttled_file(h5_entry: Path) -> None:
+    with ThrottledFile(h5_entry / H5_FILE, "ssd") as fh, h5py.File(fh, "r") as f:
+        assert f["train/x"].shape == (COUNTS["train"], *SHAPE)
+        assert fh.stats().reads > 0
+
+
+# ---------------------------------------------------------------------------------- HDF5 resume
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("fail_after", [3, 20, 34])
+def test_interrupted_hdf5_write_stream_resumes_bit_identical(
+    tmp_path: Path, h5_entry: Path, fail_after: int
+) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, "hdf5", Numbers(COUNTS, fail_after=fail_after))
+    logged: list[str] = []
+    again = Numbers(COUNTS)
+    info = write_stream(
+        again,
+        tmp_path,
+        chunk_bytes=16 * PER_SAMPLE,
+        compressor="gzip",
+        level=4,
+        attrs={"test": True},
+        fmt="hdf5",
+        log=logged.append,
+    )
+    assert info["resumed_samples"] > 0 and any("resuming" in line for line in logged)
+    assert again.opened_at[0] == info["resumed_samples"] or again.opened_at[0] % 16 == 0
+    assert sha(tmp_path / H5_FILE) == sha(h5_entry / H5_FILE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [H5_FILE]
+
+
+def test_unusable_hdf5_leftover_is_logged_and_rebuilt(tmp_path: Path, h5_entry: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, "hdf5", Numbers(COUNTS, fail_after=20))
+    (tmp_path / H5_FILE).write_bytes(b"garbage")
+    logged: list[str] = []
+    with pytest.warns(UserWarning, match="cannot be opened"):
+        info = write_stream(
+            Numbers(COUNTS),
+            tmp_path,
+            chunk_bytes=16 * PER_SAMPLE,
+            compressor="gzip",
+            level=4,
+            attrs={"test": True},
+            fmt="hdf5",
+            log=logged.append,
+        )
+    assert info["resumed_samples"] == 0 and any("starting over" in line for line in logged)
+    assert sha(tmp_path / H5_FILE) == sha(h5_entry / H5_FILE)
