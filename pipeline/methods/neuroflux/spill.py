@@ -53,8 +53,14 @@ def derived_fingerprint(stage_fingerprint: str, what: str) -> str:
     return sha256_hex(f"{stage_fingerprint}/{what}")
 
 
-def block_output_stream(parent: Stream, layers: Sequence[nn.Module], after_layer: int) -> MapStream:
-    """``parent`` with ``x`` replaced by the output of ``layers`` (eval mode, no autograd); y, id kept."""
+def block_output_stream(
+    parent: Stream, layers: Sequence[nn.Module], after_layer: int, splits: Sequence[str] | None = None
+) -> MapStream:
+    """``parent`` with ``x`` replaced by the output of ``layers`` (eval mode, no autograd); y, id kept.
+
+    ``splits``: the splits the stream carries (default all). Later blocks train on ``train`` and
+    validate on ``val``; the test split is evaluated end to end from images, so it need not be spilled.
+    """
     with torch.no_grad():
         probe = parent.spec.splits[next(iter(parent.spec.splits))].fields["x"].shape
         h = torch.zeros(1, *probe)
@@ -65,11 +71,12 @@ def block_output_stream(parent: Stream, layers: Sequence[nn.Module], after_layer
         for m, mode in zip(layers, was, strict=True):
             m.train(mode)
     shape = tuple(int(d) for d in h.shape[1:])
-    splits = {
+    kept = {
         name: SplitSpec(s.num_samples, {**s.fields, "x": FieldSpec(shape, "float32")})
         for name, s in parent.spec.splits.items()
+        if splits is None or name in splits
     }
-    spec = Spec(STREAM, parent.spec.num_classes, splits, {**parent.spec.meta, "after_layer": after_layer})
+    spec = Spec(STREAM, parent.spec.num_classes, kept, {**parent.spec.meta, "after_layer": after_layer})
 
     def forward(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
         for m in layers:
@@ -103,7 +110,7 @@ class Spills:
         self.keep = keep  # keep every spill instead of dropping one once the next exists
         self.log = log
         self._held: dict[int, EntryUse] = {}
-        self.sizes: dict[int, int] = {}  # block -> bytes on disk
+        self.sizes: dict[int, tuple[int, int]] = {}  # block -> (bytes on disk, samples stored)
 
     def fingerprint(self, block: int) -> str:
         return derived_fingerprint(self.stage_fingerprint, f"spill-after-block-{block}")
@@ -143,13 +150,13 @@ class Spills:
         if block not in self._held:
             self._held[block] = self.catalog.use(self.fingerprint(block))
         entry = self._held[block].entry
-        self.sizes[block] = entry.size_bytes
         stored = StoredStream(
             Path(entry.path),
             size_bytes=entry.size_bytes,
             prefetch_depth=self.prefetch,
             window_chunks=self.config.window_chunks,
         )
+        self.sizes[block] = (entry.size_bytes, sum(s.num_samples for s in stored.spec.splits.values()))
         from ...stages.quantize import Dequantize
 
         return Dequantize(input="spill").run(None, {"input": stored}, f"spill-{block}")

@@ -60,6 +60,8 @@ from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
 from .spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
 
 BLOCK_KIND = "neuroflux-block"
+# What later blocks read: they train on train and validate on val (test is evaluated from images).
+SPILLED_SPLITS = ("train", "val")
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
 MIB = 2**20
@@ -390,7 +392,9 @@ class _BlockRun:
         if newest != want:
             base = self.images if newest < 0 else self.spills.open(newest)
             layer_ids = [i for b in self.blocks[newest + 1 : want + 1] for i in b.layers]
-            outputs = block_output_stream(base, [self.net.layers[i] for i in layer_ids], layer_ids[-1])
+            outputs = block_output_stream(
+                base, [self.net.layers[i] for i in layer_ids], layer_ids[-1], splits=SPILLED_SPLITS
+            )
             lineage = {
                 "recipe": self.ctx.recipe_name,
                 "stage": self.name,
@@ -495,9 +499,8 @@ class _BlockRun:
     def spill_report(self) -> list[dict[str, Any]]:
         """Spill sizes against the dataset's: stored bytes per sample over the input image's."""
         c, h, w = self.net.in_shape
-        samples = sum(s.num_samples for s in self.images.spec.splits.values())
         rows = []
-        for block, size in sorted(self.spills.sizes.items()):
+        for block, (size, samples) in sorted(self.spills.sizes.items()):
             layer = self.blocks[block].layers[-1]
             rows.append(
                 {
@@ -506,6 +509,7 @@ class _BlockRun:
                     "shape": list(self.net.info[layer].out_shape),
                     "bits": self.stage.spill.bits,
                     "bytes": size,
+                    "samples": samples,
                     "bytes_per_sample": size / samples,
                     # The paper compares with the dataset as stored: 8-bit images at the model's input size.
                     "over_dataset_uint8": size / (samples * c * h * w),
