@@ -53,7 +53,7 @@ from .exit import (
     load_exported,
     throughput,
 )
-from .local import BlockState, train_block
+from .local import BlockState, evaluate_heads, train_block
 from .models import ARCHS, LayerNet, build_layer_net
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
 from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
@@ -284,6 +284,9 @@ class NeuroFlux(_BudgetedTraining):
         compact = ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
         test_split = self._test_split(images)
         _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split))
+        # Every exit's test accuracy, for reporting only (the choice above saw validation data only):
+        # the accuracy-vs-size curve a user picks a different tolerance from.
+        exit_test_acc = evaluate_heads(local, self._eval_batches(images, test_split))
         shape = net.in_shape
         full_parameters = count_parameters(net)
         metrics: dict[str, Any] = {
@@ -315,7 +318,9 @@ class NeuroFlux(_BudgetedTraining):
             "train_seconds": train_seconds,
             **self._curve_metrics(run.curve),
             "val_acc_per_layer": [val_acc[i] for i in range(len(net.layers))],
-            "exit_candidates": [c.as_dict() for c in candidates],
+            "exit_candidates": [
+                {**c.as_dict(), "test_acc": acc} for c, acc in zip(candidates, exit_test_acc, strict=True)
+            ],
             "exit_layer": chosen.layer,
             "exit_val_acc": chosen.val_acc,
             "compact_parameters": chosen.parameters,
