@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import yaml
 
-from benchmarks._meta import write_result
+from benchmarks._meta import RESULTS_DIR, write_result
 from pipeline.context import RunContext
 from pipeline.errors import StageError
 from pipeline.methods.neuroflux.exit import ExitCandidate, choose_exit
@@ -73,65 +74,8 @@ def run_stage(base: dict[str, Any], store: Path, name: str, stage: dict[str, Any
     return {"runs": True, "wall_seconds": time.perf_counter() - start, **metrics}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--archs", nargs="+", default=["vgg11", "vgg16", "resnet18"])
-    ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), help="for the first arch")
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--per-class", type=int, default=500)
-    ap.add_argument("--width", type=float, default=0.25)
-    ap.add_argument("--target", type=float, default=0.85)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    base = yaml.safe_load(RECIPE.read_text())
-    base["stages"]["data"]["per_class"] = args.per_class
-    train = {**base["stages"]["neuroflux"]["train"], "epochs": args.epochs}
-    rows: list[dict[str, Any]] = []
-    profiles = {}
-    with tempfile.TemporaryDirectory(prefix="bench-neuroflux-") as tmp:
-        store = Path(tmp) / "store"
-        for a, arch in enumerate(args.archs):
-            fit = bp_profile(arch, args.width)
-            profiles[arch] = fit.as_dict()
-            budgets = args.budgets if a == 0 else ["bp16"]
-            for label in budgets:
-                _, scale, batch = BUDGETS[label]
-                # A few bytes over the line, so rounding never costs backprop the batch the label names.
-                mib = (scale * fit.bytes_at(batch) + 64) / MIB
-                common = {
-                    "input": "images",
-                    "arch": arch,
-                    "width_mult": args.width,
-                    "memory_budget_mib": mib,
-                    "train": train,
-                    "target_accuracy": args.target,
-                }
-                methods = {
-                    "backprop": {"type": "backprop", **common},
-                    "neuroflux": {"type": "neuroflux", **common},
-                }
-                if a == 0:
-                    methods["classic_ll"] = {"type": "neuroflux", "variant": "classic_ll", **common}
-                    if label == "bp16":  # spill storage with quantization
-                        methods["neuroflux_spill8"] = {"type": "neuroflux", "spill": {"bits": 8}, **common}
-                for method, stage in methods.items():
-                    result = run_stage(base, store, method, stage)
-                    result.update(arch=arch, budget=label, budget_mib=mib, method=method)
-                    rows.append(result)
-                    shown = {
-                        k: result.get(k)
-                        for k in (
-                            "runs",
-                            "batch_size",
-                            "train_seconds",
-                            "accuracy",
-                            "time_to_target_s",
-                            "exit_layer",
-                            "parameter_compression",
-                        )
-                    }
-                    print(f"{arch} {label} {mib:.2f} MiB {method}: {shown}", flush=True)
+def summarize(rows: list[dict[str, Any]], first: str) -> dict[str, Any]:
+    """The comparisons a reader wants from the rows of one run (a pure function of them)."""
 
     def pick(arch: str, budget: str, method: str) -> dict[str, Any]:
         return next(r for r in rows if (r["arch"], r["budget"], r["method"]) == (arch, budget, method))
@@ -185,7 +129,6 @@ def main() -> None:
                     "test_acc_minus_bp": test[chosen.layer] - bp["accuracy"] if bp["runs"] else None,
                 }
             )
-    first = args.archs[0]
     spill32, spill8 = pick(first, "bp16", "neuroflux"), pick(first, "bp16", "neuroflux_spill8")
     summary = {
         "comparisons": comparisons,
@@ -195,17 +138,92 @@ def main() -> None:
             "8bit": [s["over_dataset_uint8"] for s in spill8.get("spills", [])],
         },
         "profile_r2_min": min(r["profile_r2_min"] for r in rows if r.get("profile_r2_min") is not None),
+        "exits_at_other_tolerances": exits,
         "max_parameter_compression_within_1pt_of_bp": max(
             (
-                r["parameter_compression"]
-                for r in rows
-                if r["runs"]
-                and r.get("parameter_compression")
-                and r["accuracy"] >= pick(r["arch"], r["budget"], "backprop").get("accuracy", 1) - 0.01
+                e["parameter_compression"]
+                for e in exits
+                if e["test_acc_minus_bp"] is not None and e["test_acc_minus_bp"] >= -0.01
             ),
             default=None,
         ),
     }
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--archs", nargs="+", default=["vgg11", "vgg16", "resnet18"])
+    ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), help="for the first arch")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--per-class", type=int, default=500)
+    ap.add_argument("--width", type=float, default=0.25)
+    ap.add_argument("--target", type=float, default=0.85)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="recompute the summary of the existing result file from its rows (no training)",
+    )
+    args = ap.parse_args()
+    if args.resummarize:
+        path = RESULTS_DIR / "neuroflux.json"
+        data = json.loads(path.read_text())
+        data["summary"] = summarize(data["rows"], data["settings"]["archs"][0])
+        path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+        print(yaml.safe_dump(data["summary"], sort_keys=False))
+        return
+    torch.set_num_threads(args.threads)
+    base = yaml.safe_load(RECIPE.read_text())
+    base["stages"]["data"]["per_class"] = args.per_class
+    train = {**base["stages"]["neuroflux"]["train"], "epochs": args.epochs}
+    rows: list[dict[str, Any]] = []
+    profiles = {}
+    with tempfile.TemporaryDirectory(prefix="bench-neuroflux-") as tmp:
+        store = Path(tmp) / "store"
+        for a, arch in enumerate(args.archs):
+            fit = bp_profile(arch, args.width)
+            profiles[arch] = fit.as_dict()
+            budgets = args.budgets if a == 0 else ["bp16"]
+            for label in budgets:
+                _, scale, batch = BUDGETS[label]
+                # A few bytes over the line, so rounding never costs backprop the batch the label names.
+                mib = (scale * fit.bytes_at(batch) + 64) / MIB
+                common = {
+                    "input": "images",
+                    "arch": arch,
+                    "width_mult": args.width,
+                    "memory_budget_mib": mib,
+                    "train": train,
+                    "target_accuracy": args.target,
+                }
+                methods = {
+                    "backprop": {"type": "backprop", **common},
+                    "neuroflux": {"type": "neuroflux", **common},
+                }
+                if a == 0:
+                    methods["classic_ll"] = {"type": "neuroflux", "variant": "classic_ll", **common}
+                    if label == "bp16":  # spill storage with quantization
+                        methods["neuroflux_spill8"] = {"type": "neuroflux", "spill": {"bits": 8}, **common}
+                for method, stage in methods.items():
+                    result = run_stage(base, store, method, stage)
+                    result.update(arch=arch, budget=label, budget_mib=mib, method=method)
+                    rows.append(result)
+                    shown = {
+                        k: result.get(k)
+                        for k in (
+                            "runs",
+                            "batch_size",
+                            "train_seconds",
+                            "accuracy",
+                            "time_to_target_s",
+                            "exit_layer",
+                            "parameter_compression",
+                        )
+                    }
+                    print(f"{arch} {label} {mib:.2f} MiB {method}: {shown}", flush=True)
+
+    summary = summarize(rows, args.archs[0])
     print(yaml.safe_dump(summary, sort_keys=False))
     write_result(
         "neuroflux",

@@ -1245,9 +1245,11 @@ def render_neuroflux(result: Result) -> Rendered:
     curves = [(nf, bp) for nf, bp in curves if nf.get("runs") and nf.get("val_curve")]
     figures = []
     if curves:
-        fig = new_figure(width=3.2 * len(curves), height=3.2)
+        cols = min(3, len(curves))
+        rows_n = -(-len(curves) // cols)
+        fig = new_figure(width=3.4 * cols, height=3.0 * rows_n)
         for k, (nf, bp) in enumerate(curves):
-            ax = fig.add_subplot(1, len(curves), k + 1)
+            ax = fig.add_subplot(rows_n, cols, k + 1)
             for r in (nf, bp, find(nf["arch"], nf["budget"], "classic_ll")):
                 if r is not None and r.get("runs") and r.get("val_curve"):
                     ax.plot(
@@ -1259,9 +1261,10 @@ def render_neuroflux(result: Result) -> Rendered:
             ax.set_title(f"{nf['arch']} {nf['budget']} ({nf['budget_mib']:.1f} MiB)", fontsize=9)
             ax.set_xlabel("seconds", fontsize=8)
             ax.grid(alpha=0.3)
-            if k == 0:
+            if k % cols == 0:
                 ax.set_ylabel("best val accuracy so far", fontsize=8)
-                ax.legend(fontsize=7)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
         figures.append(("time_to_accuracy", "Validation accuracy over training time at each budget", fig))
     parts = []
     if speedups:

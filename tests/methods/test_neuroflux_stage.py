@@ -26,6 +26,7 @@ from pipeline.ops.batching import rechunk
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog
+from stores.errors import BudgetError
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_3_BLOCKS = 4  # MiB: VGG-11 at width 0.125 -> blocks of layers 0-1, 2-4, 5-7 (batches 36, 80, 86)
@@ -249,6 +250,14 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
 def test_budget_below_batch_one_names_the_layer_and_its_memory(tmp_path: Path) -> None:
     with pytest.raises(StageError, match=r"too small for layer layers\.\d+: it needs [\d.]+ MiB"):
         run_in_process(tmp_path, recipe_dict(memory_budget_mib=0.05))
+
+
+def test_spill_over_the_store_budget_is_a_clear_error_before_writing(tmp_path: Path) -> None:
+    r = recipe_from_dict(recipe_dict(train={"epochs": 1}))
+    catalog = Catalog(tmp_path / "store", max_bytes=200_000)  # blocks fit; the first spill (~1.5 MB) does not
+    with pytest.raises(BudgetError, match=r"the spill after block 0 .* spill\.bits: 8"):
+        Runner(r, RunContext(catalog=catalog, recipe_name=r.name)).run()
+    assert not any(e.kind == "neuroflux-spill" for e in catalog.entries())
 
 
 def test_backprop_below_batch_one_says_what_it_needs(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ budget, seed, codec) can never read a stale spill.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from stores.catalog import Catalog, EntryUse
+from stores.errors import BudgetError
 
 from ...fingerprint import sha256_hex
 from ...ops.batching import Batch
@@ -129,7 +131,21 @@ class Spills:
         fp = self.fingerprint(block)
         coded = self._quantizer().run(None, {"input": outputs}, f"spill-{block}")
         estimate = sum(s.num_samples * s.sample_bytes() for s in coded.spec.splits.values())
-        with self.catalog.stage(fp, SPILL_KIND, lineage, resume=True, estimate_bytes=estimate) as staging:
+        with ExitStack() as stack:
+            try:
+                staging = stack.enter_context(
+                    self.catalog.stage(fp, SPILL_KIND, lineage, resume=True, estimate_bytes=estimate)
+                )
+            except BudgetError as exc:
+                raise BudgetError(
+                    f"the spill after block {block} ({estimate / 2**20:.1f} MiB before compression at "
+                    f"spill.bits: {self.config.bits}) does not fit the store budget; fewer bits shrink "
+                    f"it. {exc}",
+                    needed=exc.needed,
+                    available=exc.available,
+                    pinned=exc.pinned,
+                    in_use=exc.in_use,
+                ) from None
             if staging.existing is None:
                 if staging.resumed:
                     self.log(f"spill after block {block}: resuming an interrupted write")

@@ -10,8 +10,9 @@ with classic (fixed-width) auxiliary nets, every layer trained together as one b
 batch size, so all layers' weights and optimizer states are in memory at once.
 ``backprop`` trains the same network end to end with the largest batch the budget holds.
 
-Everything a run produces is a store entry keyed by the stage's fingerprint: a trained block
-(with a per-epoch checkpoint while it trains) and each spill. A killed run therefore resumes
+Everything a run produces is a store entry keyed by the stage's training fingerprint (its
+fingerprint without the exit settings): a trained block (with a per-epoch checkpoint while it
+trains) and each spill; ``blocks.py`` runs that loop. A killed run therefore resumes
 where it stopped: trained blocks are loaded, a block in training continues from its last
 epoch, a spill being written continues at its first missing chunk. Spills are dropped once the
 next one exists unless ``keep_spills``; the budget (``store.max_bytes``) governs them like any entry.
@@ -19,8 +20,6 @@ next one exists unless ``keep_spills``; the budget (``store.max_bytes``) governs
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from stores.catalog import Catalog
 
 from ...errors import ModelError, StageError
 from ...fingerprint import canonical_json, is_cacheable, sha256_hex
-from ...models.weights import load_weights, save_weights
+from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk
 from ...ops.prefetch import prefetch
 from ...registry import register
@@ -44,6 +43,7 @@ from ...stage import Stage
 from ...stream import Stream
 from ..trainer import TrainConfig, evaluate, train
 from .aux import ExitModel, LocalLayer, build_aux_heads
+from .blocks import BlockRun, save_atomic
 from .exit import (
     ExitCandidate,
     ExitRule,
@@ -53,15 +53,12 @@ from .exit import (
     load_exported,
     throughput,
 )
-from .local import BlockState, evaluate_heads, train_block
+from .local import evaluate_heads
 from .models import ARCHS, LayerNet, build_layer_net
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
 from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
-from .spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
+from .spill import SpillConfig, Spills, derived_fingerprint
 
-BLOCK_KIND = "neuroflux-block"
-# What later blocks read: they train on train and validate on val (test is evaluated from images).
-SPILLED_SPLITS = ("train", "val")
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
 MIB = 2**20
@@ -266,7 +263,7 @@ class NeuroFlux(_BudgetedTraining):
             keep=self.keep_spills,
             log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
         )
-        run = _BlockRun(self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started)
+        run = BlockRun(self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started)
         try:
             for block in blocks:
                 run.train(block)
@@ -341,7 +338,7 @@ class NeuroFlux(_BudgetedTraining):
             with torch.no_grad():
                 logits = compact(x)
                 diff = (load_exported(path)(x) - logits).abs().max().item()
-            _save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
+            save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
             metrics.update(
                 exported_model=str(path),
                 exported_max_abs_diff=diff,
@@ -351,185 +348,6 @@ class NeuroFlux(_BudgetedTraining):
         if scratch is not None:
             scratch.cleanup()
         return metrics
-
-
-class _BlockRun:
-    """One NeuroFlux run's block loop: which block trains from which stored input."""
-
-    def __init__(
-        self,
-        stage: NeuroFlux,
-        ctx: Any,
-        name: str,
-        catalog: Catalog,
-        fingerprint: str,
-        net: LayerNet,
-        local: list[LocalLayer],
-        blocks: list[Block],
-        images: Stream,
-        spills: Spills,
-        started: float,
-    ) -> None:
-        self.stage, self.ctx, self.name, self.catalog = stage, ctx, name, catalog
-        self.fingerprint, self.net, self.local, self.blocks = fingerprint, net, local, blocks
-        self.images, self.spills, self.started = images, spills, started
-        self.source: Stream = images
-        self.source_after = -1  # the block whose outputs ``source`` holds (-1: the images)
-        self.val_acc: dict[int, float] = {}
-        self.curve: list[tuple[float, float]] = []
-        self.status: dict[int, str] = {}
-        self.spill_seconds = 0.0
-        self.spilled: list[int] = []
-
-    def log(self, message: str) -> None:
-        self.ctx.progress.log(f"[{self.name}] {message}")
-
-    # ------------------------------------------------------------------ inputs
-    def _input_for(self, block: int) -> Stream:
-        """The stream block ``block`` trains from: the images or the spill after ``block - 1``."""
-        want = block - 1
-        if self.source_after == want:
-            return self.source
-        if want < 0:
-            return self.images
-        # Newest stored spill at or before ``want`` (a resumed run may find one), else the images.
-        newest = max((i for i in range(want + 1) if self.spills.exists(i)), default=-1)
-        if newest != want:
-            base = self.images if newest < 0 else self.spills.open(newest)
-            layer_ids = [i for b in self.blocks[newest + 1 : want + 1] for i in b.layers]
-            outputs = block_output_stream(
-                base, [self.net.layers[i] for i in layer_ids], layer_ids[-1], splits=SPILLED_SPLITS
-            )
-            lineage = {
-                "recipe": self.ctx.recipe_name,
-                "stage": self.name,
-                "type": f"{self.stage.type_name}@{self.stage.version}",
-                "spill_after_block": want,
-                "layers": [0, layer_ids[-1]],
-            }
-            total = sum(s.num_samples for s in outputs.spec.splits.values())
-            t0 = time.perf_counter()
-            with self.ctx.progress.bar(total, f"{self.name}: spill after block {want}", unit="img") as bar:
-                self.spills.write(want, outputs, lineage, progress=bar)
-            self.spill_seconds += time.perf_counter() - t0
-            self.spilled.append(want)
-        for older in range(want):  # the block after them is trained and its spill stored
-            if self.spills.exists(older):
-                self.spills.drop(older)
-        self.source, self.source_after = self.spills.open(want), want
-        return self.source
-
-    # ------------------------------------------------------------------ blocks
-    def train(self, block: Block) -> None:
-        layers = [self.local[i] for i in block.layers]
-        fp = derived_fingerprint(self.fingerprint, f"block-{block.index}")
-        held = self.catalog.try_use(fp)
-        if held is not None:
-            with held as entry:
-                history = self._load(entry.path, layers)
-            self.status[block.index] = "reused"
-            self.log(f"block {block.index}: reusing the stored trained block {fp[:12]}")
-        else:
-            history = self._train(block, layers, fp)
-        for i, acc in zip(block.layers, history[-1]["val_acc"], strict=True):
-            self.val_acc[i] = acc
-
-    def _load(self, path: Path, layers: list[LocalLayer]) -> list[dict[str, Any]]:
-        state, _ = load_weights(Path(path) / "weights.pt")
-        nn.ModuleList(layers).load_state_dict(state)
-        return json.loads((Path(path) / "history.json").read_text())
-
-    def _train(self, block: Block, layers: list[LocalLayer], fp: str) -> list[dict[str, Any]]:
-        cfg = self.stage.train
-        lineage = {
-            "recipe": self.ctx.recipe_name,
-            "stage": self.name,
-            "type": f"{self.stage.type_name}@{self.stage.version}",
-            "block": block.index,
-            "layers": list(block.layers),
-            "batch_size": block.batch_size,
-        }
-        source = self._input_for(block.index)
-        n_train = source.spec.splits["train"].num_samples
-        with self.catalog.stage(fp, BLOCK_KIND, lineage, resume=True) as staging:
-            if staging.existing is not None:  # another run trained it meanwhile
-                self.status[block.index] = "reused"
-                return self._load(staging.existing.path, layers)
-            state = BlockState.create(layers, cfg)
-            checkpoint = staging.path / "state.pt"
-            if checkpoint.exists():
-                state.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
-                self.log(f"block {block.index}: resuming local learning after epoch {state.epoch}")
-            names = [self.net.info[i].name for i in block.layers]
-
-            def on_epoch(state: BlockState, record: dict[str, Any]) -> None:
-                _save_atomic(state.state_dict(), checkpoint)  # a crash resumes after this epoch
-                best = max([*self.val_acc.values(), *record["val_acc"]])
-                self.curve.append((time.perf_counter() - self.started, best))
-                self.ctx.metrics_log({"stage": self.name, "block": block.index, "layers": names, **record})
-                accs = " ".join(f"{a:.3f}" for a in record["val_acc"])
-                self.log(
-                    f"block {block.index} epoch {record['epoch']}: val acc per layer {accs} "
-                    f"({record['epoch_seconds']:.2f}s)"
-                )
-
-            steps = -(-n_train // block.batch_size)
-            with self.ctx.progress.bar(
-                (cfg.epochs - state.epoch) * n_train, f"{self.name}: block {block.index}", unit="img"
-            ) as bar:
-                train_block(
-                    state,
-                    self.stage._train_batches(source, block.batch_size),
-                    lambda: self.stage._eval_batches(source),
-                    cfg,
-                    steps_per_epoch=steps,
-                    layer_names=names,
-                    on_epoch=on_epoch,
-                    progress=bar.update,
-                )
-            save_weights(nn.ModuleList(layers), staging.path / "weights.pt", {"block": block.index})
-            (staging.path / "history.json").write_text(json.dumps(state.history))
-            checkpoint.unlink()
-            staging.commit(
-                {"block": block.index, "layers": list(block.layers), "batch_size": block.batch_size}
-            )
-        self.status[block.index] = "trained"
-        return state.history
-
-    def finish(self) -> None:
-        """The last block is trained: the spill it read from is no longer needed."""
-        if self.source_after >= 0:
-            self.spills.drop(self.source_after)
-
-    def spill_report(self) -> list[dict[str, Any]]:
-        """Spill sizes against the dataset's: stored bytes per sample over the input image's."""
-        c, h, w = self.net.in_shape
-        rows = []
-        for block, (size, samples) in sorted(self.spills.sizes.items()):
-            layer = self.blocks[block].layers[-1]
-            rows.append(
-                {
-                    "after_block": block,
-                    "after_layer": layer,
-                    "shape": list(self.net.info[layer].out_shape),
-                    "bits": self.stage.spill.bits,
-                    "bytes": size,
-                    "samples": samples,
-                    "bytes_per_sample": size / samples,
-                    # The paper compares with the dataset as stored: 8-bit images at the model's input size.
-                    "over_dataset_uint8": size / (samples * c * h * w),
-                    "over_input_float32": size / (samples * 4 * c * h * w),
-                }
-            )
-        return rows
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    tmp.replace(path)
 
 
 @register
