@@ -417,20 +417,32 @@ def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None =
     from ..runner import Runner
 
     graph = Graph(recipe)  # names first: a wrong name fails before any dataset is indexed
-    names = [n for n in graph.order if n in graph.needed and isinstance(recipe.stages[n], Finetune)]
+    # Finetune stages are metered for one step; stages trained under a budget (neuroflux, backprop)
+    # show their profiled memory lines and what they would train at (``memory_plan``).
+    names = [
+        n
+        for n in graph.order
+        if n in graph.needed
+        and (isinstance(recipe.stages[n], Finetune) or hasattr(recipe.stages[n], "memory_plan"))
+    ]
     if stages is not None:
         unknown = [s for s in stages if s not in names]
         if unknown:
-            raise StageError(f"memory: {unknown} are not finetune stages of {recipe.name}; "
+            raise StageError(f"memory: {unknown} are not trainer stages of {recipe.name}; "
                              f"expected some of {names}")
         names = [n for n in names if n in stages]
     if not names:
-        raise StageError(f"memory: recipe {recipe.name} has no finetune stage among its targets")
+        raise StageError(f"memory: recipe {recipe.name} has no trainer stage among its targets")
     runner = Runner(recipe, ctx)
     text = [f"training memory of {recipe.name} ({recipe.source}), one step per trainer"]
     out: dict[str, Any] = {"recipe": recipe.name, "stages": {}}
     for name in names:
         stage: Finetune = recipe.stages[name]  # type: ignore[assignment]
+        if not isinstance(stage, Finetune):
+            plan_text, plan = stage.memory_plan(runner.specs[stage.input])
+            text += ["", f"[{name}] {stage.type_name}, budget {plan['budget_mib']:.2f} MiB", plan_text]
+            out["stages"][name] = plan
+            continue
         fp = stage.footprint_from_specs(runner.specs, ctx, measure=measure)
         text += ["", f"[{name}] {fp.label}, input {tuple(fp.input_shape)}", fp.table()]
         out["stages"][name] = fp.as_dict()

@@ -279,3 +279,16 @@ def test_backprop_below_batch_one_says_what_it_needs(tmp_path: Path) -> None:
 def test_unknown_model_family_names_the_supported_ones(tmp_path: Path) -> None:
     with pytest.raises(StageError, match=r"vgg11.*vgg16.*vgg19.*resnet18"):
         run_in_process(tmp_path, recipe_dict(arch="mobilenet_v2"))
+
+
+def test_memory_command_shows_the_block_plan_without_training(tmp_path: Path) -> None:
+    from pipeline.models.memory import memory_report
+
+    recipe = recipe_dict()
+    recipe["stages"]["tight"] = {**recipe["stages"]["nf"], "memory_budget_mib": 0.05}
+    recipe["targets"] = ["nf", "tight"]
+    text, data = memory_report(recipe_from_dict(recipe), RunContext(catalog=Catalog(tmp_path / "store")))
+    assert [b["layers"] for b in data["stages"]["nf"]["blocks"]] == [(0, 1), (2, 3, 4), (5, 6, 7)]
+    assert "block 2: layers 5-7 at batch 86" in text
+    assert "cannot run: memory budget 0.05 MiB is too small for layer layers.0" in text
+    assert not Catalog(tmp_path / "store").entries()  # nothing trained, nothing stored

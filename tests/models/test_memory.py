@@ -135,8 +135,8 @@ def test_memory_report_for_a_recipe(tmp_path: Path) -> None:
     assert not entries.exists() or not any(entries.iterdir())  # nothing was built
     only, _ = memory_report(recipe, ctx, stages=["mobiletl"], measure=False)
     assert "[mobiletl]" in only and "[vanilla]" not in only
-    with pytest.raises(StageError, match="not finetune stages"):
+    with pytest.raises(StageError, match="not trainer stages"):
         memory_report(recipe, ctx, stages=["backbone"])
     bare = recipe_from_dict({"name": "b", "stages": {"d": {"type": "digits"}}})
-    with pytest.raises(StageError, match="no finetune stage"):
+    with pytest.raises(StageError, match="no trainer stage"):
         memory_report(bare, ctx)

@@ -215,6 +215,39 @@ class NeuroFlux(_BudgetedTraining):
         return sha256_hex(canonical_json(payload))
 
     # ------------------------------------------------------------------ plan
+    def profile_layers(self, spec: Spec) -> tuple[LayerNet, nn.ModuleList, list[LocalLayer], list[MemoryFit]]:
+        """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step."""
+        net = self._net(spec)
+        heads = build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
+        local = [LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
+        fits = [
+            self._profile(info.name, local[i], info.in_shape, spec.num_classes)
+            for i, info in enumerate(net.info)
+        ]
+        return net, heads, local, fits
+
+    def memory_plan(self, spec: Spec) -> tuple[str, dict[str, Any]]:
+        """What ``python -m pipeline memory`` shows: every layer's line and the blocks, before training."""
+        net, _, _, fits = self.profile_layers(spec)
+        rows = [
+            f"  {f.name:<10} {f.slope / MIB:8.3f} MiB/sample {f.intercept / MIB:8.2f} MiB static  "
+            f"R² {f.r2:.4f}  max batch {f.max_batch(self.budget_bytes, self.batch_cap)}"
+            for f in fits
+        ]
+        out: dict[str, Any] = {"budget_mib": self.memory_budget_mib, "layers": [f.as_dict() for f in fits]}
+        try:
+            blocks = self.plan(fits, [info.name for info in net.info])
+        except MemoryBudgetError as exc:
+            out["error"] = str(exc)
+            return "\n".join([*rows, f"  cannot run: {exc}"]), out
+        out["blocks"] = [b.as_dict() for b in blocks]
+        rows += [
+            f"  block {b.index}: layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}, "
+            f"{b.predicted_bytes / MIB:.2f} MiB of {self.memory_budget_mib:.2f}"
+            for b in blocks
+        ]
+        return "\n".join(rows), out
+
     def plan(self, fits: list[MemoryFit], names: list[str]) -> list[Block]:
         """Blocks with batch sizes: Algorithm 1, or one block of every layer for classic LL."""
         if self.variant == "neuroflux":
@@ -233,14 +266,8 @@ class NeuroFlux(_BudgetedTraining):
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
         images: Stream = inputs["input"]
         started = time.perf_counter()
-        num_classes = images.spec.num_classes
-        net = self._net(images.spec)
-        heads = build_aux_heads(net.info, self.aux_kind, num_classes, seed=self.seed)
-        local = [LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
+        net, heads, local, fits = self.profile_layers(images.spec)
         names = [info.name for info in net.info]
-        fits = [
-            self._profile(info.name, local[i], info.in_shape, num_classes) for i, info in enumerate(net.info)
-        ]
         profile_seconds = time.perf_counter() - started
         blocks = self.plan(fits, names)
         ctx.progress.log(
@@ -355,6 +382,19 @@ class Backprop(_BudgetedTraining):
     """The baseline: end-to-end backpropagation with the largest batch that fits the budget."""
 
     type_name: ClassVar[str] = "backprop"
+
+    def memory_plan(self, spec: Spec) -> tuple[str, dict[str, Any]]:
+        """What ``python -m pipeline memory`` shows: the whole network's line and the batch it allows."""
+        net = self._net(spec)
+        fit = self._profile("the whole network", net, net.in_shape, spec.num_classes)
+        batch = fit.max_batch(self.budget_bytes, self.batch_cap)
+        text = (
+            f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
+            f"R² {fit.r2:.4f}"
+            f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
+            + ("" if batch else f" (cannot run: needs {fit.bytes_at(1) / MIB:.2f} MiB at batch size 1)")
+        )
+        return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch}
 
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
         images: Stream = inputs["input"]
