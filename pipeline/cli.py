@@ -96,7 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a recipe without running it")
     recipe_args(val, store=False)
     sub.add_parser("stages", help="list the registered stage types and their settings")
-    mem = sub.add_parser("memory", help="training memory (analytic and measured) and FLOPs of each trainer")
+    mem = sub.add_parser(
+        "memory",
+        help="training memory of each trainer: metered footprint (finetune), memory lines and block plan "
+        "(neuroflux, backprop); nothing is trained",
+    )
     recipe_args(mem)
     mem.add_argument("--json", action="store_true", help="machine-readable output")
     cache_cli.add_parser(sub)
