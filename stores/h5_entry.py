@@ -79,12 +79,12 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import h5py
 import numpy as np
 
+from stores.chunking import ChunkedWriter
 from stores.errors import (
     CorruptChunkError,
     EntryReadError,
@@ -93,17 +93,10 @@ from stores.errors import (
     StoreFullError,
     StoreNotFoundError,
 )
+from stores.layout import ArraySpec, ChunkedReader, split_name
 from stores.local import fsync_dir
 from stores.throttle import ThrottledFile, as_device
-from stores.zarr_entry import (
-    FULL_DISK_ERRNOS,
-    ArraySpec,
-    _check_name,
-    _did_you_mean,
-    _sample_counts,
-    free_bytes,
-    split_name,
-)
+from stores.zarr_entry import FULL_DISK_ERRNOS, free_bytes
 
 __all__ = ["ENTRY_FILENAME", "H5Reader", "H5Writer", "entry_file", "progress_file", "read_progress"]
 
@@ -130,7 +123,7 @@ def entry_file(path: str | os.PathLike[str]) -> Path:
     return path / ENTRY_FILENAME if path.is_dir() else path
 
 
-class H5Writer:
+class H5Writer(ChunkedWriter):
     """Append samples group by group; ``close()`` checks every array got exactly its sample count.
 
     ``compressor`` is "gzip" (``level`` 0-9), "lzf" (fast, no level) or "none"; ``level`` is
@@ -148,6 +141,8 @@ class H5Writer:
     caller continues with :meth:`write` from there. ``restart_reason`` says why nothing
     could be kept, if so.
     """
+
+    KIND = "HDF5"
 
     def __init__(
         self,
@@ -168,18 +163,7 @@ class H5Writer:
             raise EntryWriteError(f"compressor must be one of {list(_COMPRESSORS)}, got {compressor!r}")
         if compressor == "gzip" and (not isinstance(level, int) or not 0 <= level <= 9):
             raise EntryWriteError(f"gzip level must be in [0, 9], got {level!r}")
-        if not isinstance(chunk_samples, int) or chunk_samples < 1:
-            raise EntryWriteError(f"chunk_samples must be a positive int, got {chunk_samples!r}")
-        if not arrays:
-            raise EntryWriteError(f"no arrays declared for HDF5 entry {self.file}")
-        self.chunk_samples = chunk_samples
-        self.specs = {_check_name(name): spec for name, spec in arrays.items()}
-        for name in self.specs:
-            clash = [other for other in self.specs if other.startswith(name + "/")]
-            if clash:
-                raise EntryWriteError(f"array {name!r} cannot also be a group holding {clash} in {self.file}")
-        self.groups = sorted({split_name(name)[0] for name in self.specs})
-        self.num_samples = _sample_counts(num_samples, self.groups, self.file)
+        self._declare(self.file, arrays, num_samples, chunk_samples)
         try:
             attrs_json = json.dumps(dict(attrs or {}), allow_nan=False, sort_keys=True)
         except (TypeError, ValueError) as exc:
@@ -220,13 +204,9 @@ class H5Writer:
             self._h5.close()
             self._close_log()
             raise
-        self._buffers: dict[str, np.ndarray] = {}
+        # Whole chunks waiting for their row to be complete (see _emit, _drain).
         self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self.specs}
-        self._filled = dict.fromkeys(self.specs, 0)  # samples in the buffer
-        self._written = {  # samples handed to the row queue (kept rows after a resume)
-            name: self.resume_samples(split_name(name)[0]) for name in self.specs
-        }
-        self._closed = False
+        self._start_buffers()
 
     # ------------------------------------------------------------------------------ creation
 
@@ -344,12 +324,7 @@ class H5Writer:
 
     def resume_samples(self, group: str = "") -> int:
         """Leading samples of ``group`` already stored (0 for a fresh build); continue writing from there."""
-        group = group.strip("/")
-        if group not in self._rows:
-            raise EntryWriteError(
-                f"unknown group {group!r} in HDF5 entry {self.file}; groups are {self.groups}"
-                + _did_you_mean(group, self.groups)
-            )
+        group = self._known_group(group)
         return min(self._rows[group] * self.chunk_samples, self.num_samples[group])
 
     # ------------------------------------------------------------------------- progress log
@@ -411,96 +386,15 @@ class H5Writer:
 
     # -------------------------------------------------------------------------------- writing
 
-    def received(self, name: str) -> int:
-        """Samples accepted so far for array ``name``."""
-        return self._written[name] + self._filled[name]
-
-    def write(self, group: str, batch: Mapping[str, np.ndarray]) -> None:
-        """Append the next samples of ``group`` ('' for top-level arrays); keys are leaf names.
-
-        Arrays of one batch must have the same number of samples; arrays of a group may be
-        written in separate calls but each one strictly in sample order.
-        """
-        if self._closed:
-            raise EntryWriteError(f"HDF5 writer for {self.file} is closed")
-        group = group.strip("/")
-        if group not in self.num_samples:
-            raise EntryWriteError(
-                f"unknown group {group!r} in HDF5 entry {self.file}; groups are {self.groups}"
-                + _did_you_mean(group, self.groups)
-            )
-        if not batch:
-            raise EntryWriteError(f"empty batch written to group {group!r} of {self.file}")
-        prepared: dict[str, np.ndarray] = {}
-        for leaf, data in batch.items():
-            name = f"{group}/{leaf}" if group else leaf
-            prepared[name] = self._check_batch(name, group, data)
-        lengths = {name: len(arr) for name, arr in prepared.items()}
-        if len(set(lengths.values())) > 1:
-            raise EntryWriteError(f"batch for group {group!r} of {self.file} mixes sample counts: {lengths}")
-        for name, data in prepared.items():
-            self._append(name, data)
+    def _after_batch(self, group: str) -> None:
         self._drain(group)
 
-    def _check_batch(self, name: str, group: str, data: np.ndarray) -> np.ndarray:
-        if name not in self.specs:
-            leaves = [split_name(n)[1] for n in self.specs if split_name(n)[0] == group]
-            raise EntryWriteError(
-                f"array {split_name(name)[1]!r} is not declared in group {group!r} of {self.file}; "
-                f"declared: {leaves}" + _did_you_mean(split_name(name)[1], leaves)
-            )
-        spec = self.specs[name]
-        arr = np.asarray(data)
-        if arr.ndim == 0 or arr.shape[1:] != spec.sample_shape:
-            raise EntryWriteError(
-                f"array {name!r} in {self.file}: expected a batch of samples of shape {spec.sample_shape} "
-                f"(array shape (n, *{spec.sample_shape})), got {arr.shape}"
-            )
-        if arr.dtype != np.dtype(spec.dtype) and not np.can_cast(arr.dtype, spec.dtype, casting="safe"):
-            raise EntryWriteError(
-                f"array {name!r} in {self.file}: expected dtype {spec.dtype} (or one that casts safely), "
-                f"got {arr.dtype}"
-            )
-        expected = self.num_samples[split_name(name)[0]]
-        if self.received(name) + len(arr) > expected:
-            raise EntryWriteError(
-                f"array {name!r} in {self.file}: expected {expected} samples in total, got at least "
-                f"{self.received(name) + len(arr)} (this batch of {len(arr)} overflows)"
-            )
-        return arr
-
     def _append(self, name: str, data: np.ndarray) -> None:
-        c = self.chunk_samples
-        pos = 0
-        if self._filled[name]:  # top up the pending chunk first
-            take = min(c - self._filled[name], len(data))
-            buf = self._buffer(name)
-            buf[self._filled[name] : self._filled[name] + take] = data[:take]
-            self._filled[name] += take
-            pos = take
-            if self._filled[name] == c:
-                self._flush(name)
-        while len(data) - pos >= c:  # whole chunks straight from the caller's batch
-            self._queue(name, data[pos : pos + c])
-            pos += c
-        if pos < len(data):
-            rest = len(data) - pos
-            self._buffer(name)[:rest] = data[pos:]
-            self._filled[name] = rest
+        super()._append(name, data)
         if self._filled[name] and self.received(name) == self.num_samples[split_name(name)[0]]:
             self._flush(name)  # the group's short last chunk: written in its row, not at close()
 
-    def _buffer(self, name: str) -> np.ndarray:
-        if name not in self._buffers:
-            spec = self.specs[name]
-            self._buffers[name] = np.empty((self.chunk_samples, *spec.sample_shape), dtype=spec.dtype)
-        return self._buffers[name]
-
-    def _flush(self, name: str) -> None:
-        self._queue(name, self._buffers[name][: self._filled[name]])
-        self._filled[name] = 0
-
-    def _queue(self, name: str, chunk: np.ndarray) -> None:
+    def _emit(self, name: str, chunk: np.ndarray) -> None:
         """Hold a whole chunk until its row is complete (a copy: the caller may reuse its array)."""
         self._pending[name].append(np.array(chunk, dtype=self.specs[name].dtype, order="C"))
         self._written[name] += len(chunk)
@@ -518,20 +412,9 @@ class H5Writer:
         if self._closed:
             return
         self._closed = True
-        wrong = {
-            name: (self.num_samples[split_name(name)[0]], self.received(name))
-            for name in self.specs
-            if self.received(name) != self.num_samples[split_name(name)[0]]
-        }
         try:
-            if wrong:
-                detail = "; ".join(
-                    f"array {n!r}: expected {e} samples, got {g}" for n, (e, g) in sorted(wrong.items())
-                )
-                raise EntryWriteError(f"HDF5 entry {self.file} is incomplete: {detail}")
-            for name in self.specs:
-                if self._filled[name]:
-                    self._flush(name)
+            self._check_complete()
+            self._flush_buffers()
             for group in self.groups:
                 self._drain(group)
             self._h5.attrs[_ATTR_COMPLETE] = True
@@ -551,16 +434,8 @@ class H5Writer:
             self._h5.close()
             self._close_log()
 
-    def __enter__(self) -> H5Writer:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()  # abandoned: the catalog's staging cleanup removes the file, or a resume continues
+    def _abandon(self) -> None:
+        self.abort()  # the catalog's staging cleanup removes the file, or a resume continues
 
 
 # ------------------------------------------------------------------------------------ progress log
@@ -643,7 +518,7 @@ def read_progress(path: Path) -> tuple[str | None, list[_Row]]:
     return str(records[0].get("layout")), rows
 
 
-class H5Reader:
+class H5Reader(ChunkedReader):
     """Read a sample-chunked HDF5 entry; turns checksum/decode failures into CorruptChunkError.
 
     ``throttle``: a slow-storage profile (``sdcard``, ``emmc``, ``ssd``, a
@@ -652,6 +527,7 @@ class H5Reader:
     holds the simulated device's statistics.
     """
 
+    KIND = "HDF5"
     # h5py reads and decodes a chunk in one call: fetch_chunk does all the work and
     # decode_chunk is the identity, so a prefetcher runs them as one stage.
     SEPARATE_DECODE = False
@@ -671,10 +547,10 @@ class H5Reader:
             f = self._file()
             self._attrs, shapes = self._read_layout(f)
         self._specs: dict[str, ArraySpec] = {}
-        self._chunk: dict[str, int] = {}
-        self._count: dict[str, int] = {}
+        self._start_layout(self.file)
         for name, (shape, chunks, dtype) in sorted(shapes.items()):
-            self._check_layout(name, shape, chunks, dtype)
+            self._add_array(name, shape, chunks)
+            self._specs[name] = ArraySpec(tuple(shape[1:]), dtype)
 
     # ----------------------------------------------------------------- process/handle management
 
@@ -769,54 +645,18 @@ class H5Reader:
         f.visititems(visit)
         return attrs, shapes
 
-    def _check_layout(
-        self, name: str, shape: tuple[int, ...], chunks: tuple[int, ...] | None, dtype: str
-    ) -> None:
-        group = split_name(name)[0]
-        if not shape or chunks is None or tuple(chunks[1:]) != tuple(shape[1:]):
-            raise EntryReadError(
-                f"array {name!r} in {self.file} is not chunked along samples only: "
-                f"shape {shape}, chunks {chunks}"
-            )
-        n, c = int(shape[0]), int(chunks[0])
-        if self._chunk.setdefault(group, c) != c or self._count.setdefault(group, n) != n:
-            raise EntryReadError(
-                f"arrays of group {group!r} in {self.file} disagree: {name!r} has {n} samples "
-                f"in chunks of {c}, others {self._count[group]} in chunks of {self._chunk[group]}"
-            )
-        self._specs[name] = ArraySpec(tuple(shape[1:]), dtype)
-
     @property
     def arrays(self) -> dict[str, ArraySpec]:
         """Full array name -> per-sample spec."""
         return dict(self._specs)
 
     @property
-    def groups(self) -> list[str]:
-        return sorted(self._chunk)
+    def _names(self) -> dict[str, ArraySpec]:
+        return self._specs
 
     @property
     def attrs(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._attrs))  # a deep copy: callers may mutate it
-
-    def _group(self, group: str) -> str:
-        group = group.strip("/")
-        if group not in self._chunk:
-            raise EntryReadError(
-                f"no group {group!r} in HDF5 entry {self.file}; groups are {self.groups}"
-                + _did_you_mean(group, self.groups)
-            )
-        return group
-
-    def num_samples(self, group: str = "") -> int:
-        return self._count[self._group(group)]
-
-    def chunk_samples(self, group: str = "") -> int:
-        return self._chunk[self._group(group)]
-
-    def num_chunks(self, group: str = "") -> int:
-        group = self._group(group)
-        return -(-self._count[group] // self._chunk[group])
 
     # ---------------------------------------------------------------------------------- reads
 
@@ -843,30 +683,6 @@ class H5Reader:
     def decode_chunk(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The identity: :meth:`fetch_chunk` already decoded the chunk."""
         return raw
-
-    def read(self, group: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Samples ``[start, stop)`` of array ``name`` (leaf name within ``group``)."""
-        group = self._group(group)
-        full = f"{group}/{name}" if group else name
-        if full not in self._specs:
-            leaves = [split_name(n)[1] for n in self._specs if split_name(n)[0] == group]
-            raise EntryReadError(
-                f"no array {name!r} in group {group!r} of {self.file}; arrays: {leaves}"
-                + _did_you_mean(name, leaves)
-            )
-        n, c = self._count[group], self._chunk[group]
-        stop = n if stop is None else stop
-        if not 0 <= start <= stop <= n:
-            raise EntryReadError(
-                f"sample range [{start}, {stop}) is outside [0, {n}] for {full!r} in {self.file}"
-            )
-        spec = self._specs[full]
-        out = np.empty((stop - start, *spec.sample_shape), dtype=spec.dtype)
-        # Chunk by chunk so a decode failure names the exact chunk.
-        for index in range(start // c, -(-stop // c)):
-            lo, hi = max(start, index * c), min(stop, (index + 1) * c)
-            out[lo - start : hi - start] = self._read_in_chunk(full, index, lo, hi)
-        return out
 
     def _read_in_chunk(self, name: str, index: int, lo: int, hi: int) -> np.ndarray:
         dset = self._dataset(name)

@@ -14,8 +14,7 @@ import pytest
 import yaml
 
 from stores.catalog import Catalog
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, run_pipeline, start_pipeline
 
 
 def recipe(tmp: Path, samples: int, name: str = "build") -> Path:
@@ -61,24 +60,7 @@ sys.exit(code)
 
 
 def run_measured(recipe_path: Path, store: Path, out: Path) -> int:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PEAK_RSS,
-            "run",
-            str(recipe_path),
-            "--store",
-            str(store),
-            "--output",
-            str(out),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    proc = run_pipeline(recipe_path, store, out, "--quiet", entry=("-c", PEAK_RSS))
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split("PEAK_KIB")[1].split()[0]) * 1024
 
@@ -113,24 +95,7 @@ def test_interrupted_build_never_reads_as_complete(tmp_path: Path, sig: signal.S
     store.mkdir()
     fp = _cache_fingerprint(path, store)["fingerprint"]
     staging = store / "staging" / fp / "data.zarr"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            str(path),
-            "--store",
-            str(store),
-            "--output",
-            str(tmp_path / "out"),
-            "--quiet",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_pipeline(path, store, tmp_path / "out", "--quiet")
     deadline = time.monotonic() + 300
     # Wait until chunks are being written, then interrupt mid-build.
     while time.monotonic() < deadline and proc.poll() is None:
@@ -147,45 +112,12 @@ def test_interrupted_build_never_reads_as_complete(tmp_path: Path, sig: signal.S
     assert _cache_fingerprint(path, store)["action"] == "compute"
     # The next run resumes from the verified chunks (no recomputation of those) and completes the entry,
     # bit-identical to an uninterrupted build of the same recipe in a fresh store.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            str(path),
-            "--store",
-            str(store),
-            "--output",
-            str(tmp_path / "out2"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    done = run_pipeline(path, store, tmp_path / "out2")
     assert done.returncode == 0, done.stderr
     assert "resuming an interrupted build" in done.stderr
     assert catalog.exists(fp)
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    clean = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            str(path),
-            "--store",
-            str(fresh),
-            "--output",
-            str(tmp_path / "out3"),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    clean = run_pipeline(path, fresh, tmp_path / "out3", "--quiet")
     assert clean.returncode == 0, clean.stderr
     assert catalog.content_hash(fp) == Catalog(fresh).content_hash(fp)

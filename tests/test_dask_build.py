@@ -13,7 +13,6 @@ import pickle
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,8 +35,8 @@ from pipeline.executors.worker import BuildJob, build_partition
 from pipeline.recipe import Recipe, recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog
+from tests.helpers import start_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 # Chunks of 15 samples and one chunk per partition: over a hundred partitions, so a kill lands
 # mid-build. Decode batches of 30: every other partition starts mid-batch and needs a lead-in.
 CHUNK_BYTES = 16384
@@ -178,23 +177,12 @@ def test_resume_after_client_dies(cluster: Any, local_build: tuple[Path, str], t
     executor = {"type": "dask", "workers": 2, "partition_chunks": 1}
     path.write_text(yaml.safe_dump(recipe_dict(executor)))
     staging = store / "staging" / fp
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            str(path),
-            "--store",
-            str(store),
-            "--output",
-            str(tmp_path / "out"),
-            "--quiet",
-        ],
-        cwd=ROOT,
+    proc = start_pipeline(
+        path,
+        store,
+        tmp_path / "out",
+        "--quiet",
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
         start_new_session=True,  # its workers share the session: nothing survives the kill below
     )
     try:

@@ -27,8 +27,8 @@ from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog
 from stores.errors import BudgetError
+from tests.helpers import start_pipeline
 
-ROOT = Path(__file__).resolve().parents[2]
 BUDGET_3_BLOCKS = 4  # MiB: VGG-11 at width 0.125 -> blocks of layers 0-1, 2-4, 5-7 (batches 36, 80, 86)
 
 
@@ -178,22 +178,12 @@ def _stage_fingerprint(tmp_path: Path, recipe: dict[str, Any]) -> str:
     return fp
 
 
-def _run_cli(path: Path, store: Path, out: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline", "run", str(path), "--store", str(store), "--output", str(out)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("nf_reference")
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict()))
-    proc = _run_cli(path, tmp / "store", tmp / "out")
+    proc = start_pipeline(path, tmp / "store", tmp / "out")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     summary = json.loads((tmp / "out" / "summary.json").read_text())
@@ -221,7 +211,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
         def reached() -> bool:
             return target.is_dir() and sum(1 for _ in target.rglob("c/*")) >= 4
 
-    proc = _run_cli(path, store, tmp_path / "killed")
+    proc = start_pipeline(path, store, tmp_path / "killed")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not reached():
         time.sleep(0.02)
@@ -235,7 +225,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
     if where == "spill after block 0":
         assert derived_fingerprint(fp, "spill-after-block-0") not in committed
 
-    proc = _run_cli(path, store, tmp_path / "resumed")
+    proc = start_pipeline(path, store, tmp_path / "resumed")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert "resuming" in err

@@ -8,45 +8,23 @@ as a power cut, minus the page cache loss that fsync-before-rename covers.
 from __future__ import annotations
 
 import errno
-import hashlib
+import functools
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import stores.catalog
 import stores.zarr_entry
 from stores.catalog import Catalog, Entry
 from stores.errors import StoreFullError
-from stores.zarr_entry import ArraySpec, ZarrReader, ZarrWriter
-
-REPO = Path(__file__).resolve().parents[2]
-SPECS = {
-    "train/x": ArraySpec((4, 6), "float32"),
-    "train/y": ArraySpec((), "int64"),
-    "val/x": ArraySpec((4, 6), "float32"),
-}
-COUNTS = {"train": 120, "val": 37}
-CHUNK = 4
-BATCH = 3  # not a multiple of CHUNK, so resume points fall inside caller batches
-
-
-def fp(name: str) -> str:
-    return hashlib.sha256(name.encode()).hexdigest()
-
-
-def data_for(name: str, counts: dict[str, int] = COUNTS) -> np.ndarray:
-    spec = SPECS[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    return (rng.random((counts[name.split("/")[0]], *spec.sample_shape)) * 1000).astype(spec.dtype)
+from stores.zarr_entry import ZarrReader, ZarrWriter
+from tests.stores import killed_builds
+from tests.stores.killed_builds import BATCH, CHUNK, COUNTS, SPECS, TOTAL_LINES, data_for, fp
 
 
 def build_entry(
@@ -79,44 +57,10 @@ def build_entry(
         return staging.commit({"chunk_samples": CHUNK}), resumed
 
 
-CHILD = (
-    "import sys\n"
-    "from tests.stores.test_faults import build_entry\n"
-    "build_entry(sys.argv[1], sys.argv[2], progress=lambda line: print(line, flush=True))\n"
-    "print('done', flush=True)\n"
+# run_and_kill(root, fingerprint, after_lines, rng): build_entry in a child, SIGKILLed.
+run_and_kill = functools.partial(
+    killed_builds.run_and_kill, killed_builds.child_script("tests.stores.test_faults"), max_spin=2000
 )
-
-
-def run_and_kill(root: Path, fingerprint: str, after_lines: int, rng: random.Random) -> bool:
-    """Run a builder child, SIGKILL it after ``after_lines`` progress lines (+ a random delay).
-
-    Returns True if it finished before the kill landed.
-    """
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), fingerprint],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    seen = 0
-    finished = False
-    try:
-        for line in proc.stdout:
-            seen += 1
-            if line.strip() == "done":
-                finished = True
-                break
-            if seen >= after_lines:
-                # Let it run on for a moment so the kill lands mid-chunk as often as between chunks.
-                for _ in range(rng.randrange(0, 2000)):
-                    pass
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-    finally:
-        proc.wait(timeout=60)
-        proc.stdout.close()
-    return finished or proc.returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +68,6 @@ def reference_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("reference")
     build_entry(str(root), fp("faults"), resume=False)
     return Catalog(root).content_hash(fp("faults"))
-
-
-TOTAL_LINES = -(-COUNTS["train"] // BATCH) + -(-COUNTS["val"] // BATCH) + 1
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])

@@ -6,13 +6,9 @@ importing :func:`build_entry`), so no ``finally`` or ``__exit__`` runs in them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import os
 import random
-import signal
-import subprocess
-import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,24 +19,10 @@ import pytest
 from stores.catalog import Catalog, Entry
 from stores.errors import EntryReadError, StaleStagingWarning
 from stores.h5_entry import ENTRY_FILENAME, H5Reader, H5Writer, progress_file, read_progress
-from stores.zarr_entry import ArraySpec
+from tests.stores import killed_builds
+from tests.stores.killed_builds import BATCH, CHUNK, COUNTS, SPECS, TOTAL_LINES, data_for, fp
 
-REPO = Path(__file__).resolve().parents[2]
-SPECS = {
-    "train/x": ArraySpec((4, 6), "float32"),
-    "train/y": ArraySpec((), "int64"),
-    "val/x": ArraySpec((4, 6), "float32"),
-}
-COUNTS = {"train": 120, "val": 37}
-CHUNK = 4
-BATCH = 3  # not a multiple of CHUNK, so resume points fall inside caller batches
 ATTRS = {"spec": "h5-resume"}
-
-
-def data_for(name: str) -> np.ndarray:
-    spec = SPECS[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    return (rng.random((COUNTS[name.split("/")[0]], *spec.sample_shape)) * 1000).astype(spec.dtype)
 
 
 DATA = {name: data_for(name) for name in SPECS}
@@ -234,41 +216,10 @@ def build_entry(
         return staging.commit({"chunk_samples": CHUNK}), kept
 
 
-CHILD = (
-    "import sys\n"
-    "from tests.stores.test_h5_resume import build_entry\n"
-    "build_entry(sys.argv[1], sys.argv[2], progress=lambda line: print(line, flush=True))\n"
-    "print('done', flush=True)\n"
+# run_and_kill(root, fingerprint, after_lines, rng): build_entry in a child, SIGKILLed (mid-row or not).
+run_and_kill = functools.partial(
+    killed_builds.run_and_kill, killed_builds.child_script("tests.stores.test_h5_resume"), max_spin=20000
 )
-TOTAL_LINES = -(-COUNTS["train"] // BATCH) + -(-COUNTS["val"] // BATCH) + 1
-
-
-def run_and_kill(root: Path, fingerprint: str, after_lines: int, rng: random.Random) -> bool:
-    """Run a builder child and SIGKILL it after ``after_lines`` progress lines (+ a random delay)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), fingerprint], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    seen, finished = 0, False
-    try:
-        for line in proc.stdout:
-            seen += 1
-            if line.strip() == "done":
-                finished = True
-                break
-            if seen >= after_lines:
-                for _ in range(rng.randrange(0, 20000)):  # land mid-row as often as between rows
-                    pass
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-    finally:
-        proc.wait(timeout=60)
-        proc.stdout.close()
-    return finished or proc.returncode == 0
-
-
-def fp(name: str) -> str:
-    return hashlib.sha256(name.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")

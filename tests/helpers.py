@@ -1,0 +1,56 @@
+"""Helpers for tests that run the pipeline as a user does: ``python -m pipeline run`` in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# How the interpreter is told to run the CLI; ("-c", SCRIPT) runs a wrapper script instead.
+PIPELINE_MODULE = ("-m", "pipeline")
+
+
+def run_argv(
+    recipe: Path, store: Path, output: Path, *extra: str, entry: tuple[str, ...] = PIPELINE_MODULE
+) -> list[str]:
+    """argv of ``python -m pipeline run RECIPE --store STORE --output OUTPUT *EXTRA``."""
+    paths = [str(recipe), "--store", str(store), "--output", str(output)]
+    return [sys.executable, *entry, "run", *paths, *extra]
+
+
+def run_pipeline(
+    recipe: Path,
+    store: Path,
+    output: Path,
+    *extra: str,
+    entry: tuple[str, ...] = PIPELINE_MODULE,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """Run the recipe to completion (from the repository root), capturing stdout and stderr as text."""
+    return subprocess.run(
+        run_argv(recipe, store, output, *extra, entry=entry),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def start_pipeline(
+    recipe: Path,
+    store: Path,
+    output: Path,
+    *extra: str,
+    stdout: int = subprocess.PIPE,
+    start_new_session: bool = False,
+) -> subprocess.Popen[str]:
+    """Start the recipe in the background (to interrupt it); stderr is piped, text mode."""
+    return subprocess.Popen(
+        run_argv(recipe, store, output, *extra),
+        cwd=ROOT,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=start_new_session,
+    )
