@@ -30,30 +30,38 @@ def split_batch(batch: Batch, start: int, stop: int) -> Batch:
 def rechunk(batches: Iterable[Batch], size: int, *, drop_last: bool = False) -> Iterator[Batch]:
     """Re-emit ``batches`` as batches of exactly ``size`` samples (the last may be short).
 
-    Memory is bounded by about two input batches plus one output batch: pending
-    pieces are only concatenated when they add up to at least one output batch.
+    Only an output batch that straddles two input batches is copied (one ``torch.cat``
+    of exactly ``size`` samples); every other output is a slice view of its input
+    batch. So when input sizes are multiples of ``size`` nothing is copied, and
+    otherwise at most one output batch per input batch is: re-chunking runs on the
+    trainer's critical path, where copying whole input batches (and the page faults
+    of allocating them) is measurable.
+
+    Memory: the pending remainder (fewer than ``size`` samples) holds views, so it
+    keeps its input batches alive until it is emitted, but never more than ``size``
+    of them.
     """
     if size < 1:
         raise ValueError(f"rechunk size must be >= 1, got {size}")
-    pending: list[Batch] = []
+    pending: list[Batch] = []  # views, oldest first, together fewer than ``size`` samples
     count = 0
     for batch in batches:
         n = batch_size_of(batch)
         if n == 0:
             continue
-        if not pending and n == size:  # common fast path: nothing to copy
-            yield batch
-            continue
-        pending.append(batch)
-        count += n
-        if count < size:
-            continue
-        merged = concat(pending)
         start = 0
-        while count - start >= size:
-            yield split_batch(merged, start, start + size)
+        if pending:
+            need = size - count
+            if n < need:
+                pending.append(batch)
+                count += n
+                continue
+            yield concat([*pending, split_batch(batch, 0, need)])
+            pending, count, start = [], 0, need
+        while n - start >= size:
+            yield batch if (start == 0 and n == size) else split_batch(batch, start, start + size)
             start += size
-        pending = [split_batch(merged, start, count)] if start < count else []
-        count -= start
+        if start < n:
+            pending, count = [split_batch(batch, start, n)], n - start
     if count and not drop_last:
         yield concat(pending)

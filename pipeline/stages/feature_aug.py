@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from ..errors import StageError
@@ -45,19 +44,33 @@ def sample_uniforms(ids: torch.Tensor, seed: int, epoch: int, count: int) -> np.
 
 
 def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
-    """One gather does the crop and the flip for the whole batch."""
+    """Per-sample random crop (zero padding ``padding``) and horizontal flip, drawn from ``u`` (n, 3).
+
+    Output pixel (r, c) of sample i is input pixel (r + dy_i - p, c' + dx_i - p), where
+    c' is c or its mirror, and zero when that falls in the padding. One ``gather`` over
+    the flattened H*W plane does every sample's crop and flip at once, then the padding
+    is zeroed in place: one pass over the maps instead of pad + NHWC gather + copy back
+    (about twice as fast), which matters because at a late cut this runs on the
+    trainer's critical path every step.
+    """
     n, c, h, w = x.shape
-    if padding:
-        x = F.pad(x, (padding, padding, padding, padding))
-    dy = torch.from_numpy((u[:, 0] * (2 * padding + 1)).astype(np.int64))
-    dx = torch.from_numpy((u[:, 1] * (2 * padding + 1)).astype(np.int64))
+    if n == 0:
+        return x.clone()
+    span = 2 * padding + 1
+    dy = torch.from_numpy((u[:, 0] * span).astype(np.int64)) - padding
+    dx = torch.from_numpy((u[:, 1] * span).astype(np.int64)) - padding
     flip = torch.from_numpy(u[:, 2] < hflip)
-    rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h)
+    rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
     cols = torch.arange(w)[None, :].expand(n, w)
-    cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w)
-    idx_n = torch.arange(n)[:, None, None]
-    out = x.permute(0, 2, 3, 1)[idx_n, rows[:, :, None], cols[:, None, :]]  # (n, h, w, c)
-    return out.permute(0, 3, 1, 2).contiguous()
+    cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
+    inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
+    src = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]  # (n, h, w)
+    flat = x.reshape(n, c, h * w)
+    out = torch.gather(flat, 2, src.view(n, 1, h * w).expand(n, c, h * w))
+    if padding:
+        # masked_fill, not a multiply: padding is exactly zero whatever the clamped source held.
+        out.masked_fill_(~inside.view(n, 1, h * w), 0.0)
+    return out.view(n, c, h, w)
 
 
 @register
@@ -79,8 +92,10 @@ class FeatureAugment(Stage):
         for name in self.splits:
             field = data.split(name, stage=self.type_name).fields.get("x")
             if field is None or len(field.shape) != 3 or not field.dtype.startswith("float"):
-                raise StageError(f"expected float feature maps 'x' (C,H,W) in split {name!r}, found {field}; "
-                                 "put a dequantize stage before feature_aug")
+                raise StageError(
+                    f"expected float feature maps 'x' (C,H,W) in split {name!r}, found {field}; "
+                    "put a dequantize stage before feature_aug"
+                )
         return data
 
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:

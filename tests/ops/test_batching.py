@@ -37,6 +37,54 @@ def test_rechunk_keeps_every_sample_in_order(sizes: list[int], size: int, drop_l
         assert torch.equal(out[-1]["x"][:, 0], out[-1]["id"].float())  # fields stay aligned
 
 
+def _storages(batches: list[dict[str, torch.Tensor]]) -> set[int]:
+    return {v.untyped_storage().data_ptr() for b in batches for v in b.values()}
+
+
+def make_labelled(sizes: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Batches with three fields (features, label, id) that must stay aligned sample by sample."""
+    out, start = [], 0
+    for n in sizes:
+        ids = torch.arange(start, start + n)
+        out.append({"x": ids.float()[:, None, None].repeat(1, 2, 3), "y": ids % 7, "id": ids})
+        start += n
+    return out
+
+
+@given(
+    batch=st.integers(1, 8),
+    multiples=st.lists(st.integers(0, 4), max_size=8),
+    aligned=st.booleans(),
+    extra=st.lists(st.integers(1, 11), max_size=8),
+)
+def test_rechunk_aligns_all_fields_and_copies_only_straddling_batches(
+    batch: int, multiples: list[int], aligned: bool, extra: list[int]
+) -> None:
+    sizes = [m * batch for m in multiples]
+    if not aligned:
+        sizes = [m * batch + e for m, e in zip(multiples, extra, strict=False)]
+    inputs = make_labelled(sizes)
+    out = list(rechunk(inputs, batch))
+    ids = torch.cat([b["id"] for b in out]).tolist() if out else []
+    assert ids == list(range(sum(sizes)))  # every sample once, in order
+    for b in out:
+        assert torch.equal(b["x"][:, 0, 0], b["id"].float()) and torch.equal(b["y"], b["id"] % 7)
+    assert all(len(b["id"]) == batch for b in out[:-1])
+    sources = _storages(inputs)
+    copied = [b for b in out if b["x"].untyped_storage().data_ptr() not in sources]
+    if aligned:
+        assert not copied  # sizes that are multiples of the batch: slice views only, no torch.cat
+    else:
+        assert len(copied) <= len([n for n in sizes if n])  # at most one copied output per input batch
+
+
+def test_rechunk_of_one_large_chunk_is_views() -> None:
+    chunk = make_labelled([96])[0]
+    out = list(rechunk([chunk], 32))
+    assert [len(b["id"]) for b in out] == [32, 32, 32]
+    assert all(b["x"].untyped_storage().data_ptr() == chunk["x"].untyped_storage().data_ptr() for b in out)
+
+
 def test_rechunk_rejects_bad_size() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         list(rechunk(make_batches([3]), 0))
