@@ -25,7 +25,11 @@ Fair comparisons, all in one process and one run:
 - two-stage vs compute limit: both as the mean of the epochs after the first
   (the first pays one-off allocation and file-cache costs); the compute limit is
   also timed in two passes, before and after the pipeline run, and the faster
-  one is the reference. The min-over-epochs ratio is reported beside it.
+  one is the reference. The min-over-epochs ratio is reported beside it. The bar uses
+  the median of ``--repeats`` paired repeats, each a compute-limit pass immediately
+  followed by a two-stage pass from the stored cache: this host's speed swings by up to
+  2x between time windows, more than the 10% the bar tests, and a pair taken close
+  together cancels most of that.
 
 Weights are random (timing does not depend on them).
 Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2]
@@ -192,6 +196,16 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         limit_after, _ = compute_limit(n, train_samples, args.batch, args.epochs)
         del batches
         build = reports["cache"]
+        # Paired repeats: a compute-limit pass right before a two-stage pass (from the stored cache), so
+        # each ratio compares two measurements taken close together; the median resists this host's
+        # speed swings between time windows.
+        paired = []
+        two_only = recipe(args.samples, n, args.bits, args.epochs, args.batch, images_dir)
+        two_only["targets"] = ["two_stage"]
+        for _ in range(args.repeats):
+            limit_r, _ = compute_limit(n, train_samples, args.batch, args.epochs)
+            again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
+            paired.append(again["two_stage"].metrics["epoch_seconds_steady"] / steady(limit_r))
     # The faster pass is the reference for both bars: the stricter choice, and robust to the
     # machine being slower for a while during one of the passes.
     limit_times = min(limit_before, limit_after, key=steady)
@@ -214,6 +228,10 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         "two_stage_over_compute_limit": two["epoch_seconds_steady"] / limit,
         "two_stage_over_compute_limit_min": min(two["epoch_seconds_all"][1:] or two["epoch_seconds_all"])
         / min(limit_times[1:] or limit_times),
+        "two_stage_over_compute_limit_paired": paired,
+        "two_stage_over_compute_limit_median": float(np.median(paired))
+        if paired
+        else two["epoch_seconds_steady"] / limit,
         "cache_build_s": build.seconds,
         "cache_build_images": total,
         "cache_build_images_per_s": build_ips,
@@ -226,7 +244,8 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
     }
     print(
         f"N={n}: single {row['single_stage_epoch_s']:.2f}s  two-stage {row['two_stage_epoch_s']:.3f}s  "
-        f"limit {limit:.3f}s  (two/limit {row['two_stage_over_compute_limit']:.2f}, "
+        f"limit {limit:.3f}s  (two/limit {row['two_stage_over_compute_limit']:.2f}, paired median "
+        f"{row['two_stage_over_compute_limit_median']:.2f}, "
         f"speedup {row['speedup_two_vs_single']:.1f}x)  "
         f"build {build_ips:.1f} img/s vs bare fwd {fwd_ips:.1f} img/s "
         f"({row['build_over_bare_forward']:.2f}); decode alone {decode_ips:.0f} img/s",
@@ -242,6 +261,12 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--cuts", type=int, nargs="+", default=[1, 4, 7])
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="paired (compute limit, two-stage) repeats for the median ratio",
+    )
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cache-reuse-images-") as tmp:
@@ -251,8 +276,9 @@ def main() -> None:
         for n in args.cuts:
             rows.append(measure_cut(n, args, images_dir))
     targets = {
+        # The median of paired repeats: robust to the host's speed changing between passes.
         "two_stage_within_10pct_of_compute_limit": all(
-            r["two_stage_over_compute_limit"] <= 1.10 for r in rows
+            r["two_stage_over_compute_limit_median"] <= 1.10 for r in rows
         ),
         "cache_build_at_least_90pct_of_bare_forward": all(r["build_over_bare_forward"] >= 0.90 for r in rows),
     }
@@ -278,6 +304,8 @@ def main() -> None:
                 "faster of two passes (before and after the build)",
                 "epoch_statistic": "mean of epochs after the first, for two-stage and compute limit alike; "
                 "compute limit: faster of two passes (before and after the pipeline run)",
+                "two_stage_over_limit_bar": f"median over {args.repeats} paired repeats, each a "
+                "compute-limit pass immediately followed by a two-stage pass from the stored cache",
                 "torch_threads": torch.get_num_threads(),
             },
             "rows": rows,
