@@ -1,3 +1,11 @@
-from .cli import main
+import sys
+
+from .errors import missing_dependency
+
+try:
+    from .cli import main
+except ModuleNotFoundError as exc:  # the CLI module itself imports the store (zarr)
+    print(missing_dependency(exc), file=sys.stderr)
+    raise SystemExit(2) from None
 
 raise SystemExit(main())

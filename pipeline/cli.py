@@ -20,7 +20,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .errors import PipelineError
+from .errors import PipelineError, missing_dependency
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
+    except ModuleNotFoundError as exc:  # stages import their libraries when first used
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(missing_dependency(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise

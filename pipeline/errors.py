@@ -9,6 +9,7 @@ callers that already catch those keep working.
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
@@ -51,3 +52,12 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     choices = list(choices)
     hit = nearest(name, choices)
     return f" (did you mean {hit!r}?)" if hit else ""
+
+
+def missing_dependency(exc: ModuleNotFoundError) -> str:
+    """The message for a Python without the toolkit's dependencies: a setup step, not a bug."""
+    return (
+        f"error: this Python ({sys.executable}) lacks {exc.name or 'a module'!r}, which ondevice-tl needs; "
+        "install the project into it (`pip install -e .` in the repository, as the README's first "
+        "command does)"
+    )

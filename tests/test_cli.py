@@ -197,7 +197,23 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_memory_command_reports_every_trainer(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("missing", ["zarr", "torch"])
+def test_a_python_without_the_dependencies_gets_a_setup_message(missing: str) -> None:
+    # ``sys.modules[name] = None`` makes importing it fail as if it were not installed.
+    script = (
+        f"import runpy, sys; sys.modules[{missing!r}] = None; "
+        f"sys.argv = ['pipeline', 'validate', {QUICKSTART!r}]; "
+        "runpy.run_module('pipeline', run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert f"lacks {missing!r}" in out.stderr and "pip install -e ." in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_memory_command_reports_every_trainer(
+    quick_runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
     assert run_cli("memory", QUICKSTART, "--store", str(quick_runs["store"]), "--json") == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["stages"]) >= {"two_stage", "baseline"}
