@@ -44,12 +44,8 @@ from stores.catalog import Catalog
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "neuroflux" / "fashion_mnist.yaml"
 MIB = 2**20
 TOLERANCES = (0.005, 0.01, 0.02)
-BUDGETS = {
-    "below_bp": ("batch", 0.9, 1),
-    "bp4": ("batch", 1.0, 4),
-    "bp16": ("batch", 1.0, 16),
-    "bp64": ("batch", 1.0, 64),
-}
+# label -> (scale, batch): the budget is scale x what backpropagation needs at that batch size
+BUDGETS = {"below_bp": (0.9, 1), "bp4": (1.0, 4), "bp16": (1.0, 16), "bp64": (1.0, 64)}
 
 
 def bp_profile(arch: str, width: float) -> Any:
@@ -186,7 +182,7 @@ def main() -> None:
             profiles[arch] = fit.as_dict()
             budgets = args.budgets if a == 0 else ["bp16"]
             for label in budgets:
-                _, scale, batch = BUDGETS[label]
+                scale, batch = BUDGETS[label]
                 # A few bytes over the line, so rounding never costs backprop the batch the label names.
                 mib = (scale * fit.bytes_at(batch) + 64) / MIB
                 common = {
@@ -233,7 +229,7 @@ def main() -> None:
             "settings": {
                 **vars(args),
                 "recipe": str(RECIPE.relative_to(RECIPE.parents[2])),
-                "budgets": {k: f"{s} x backprop's memory at batch {b}" for k, (_, s, b) in BUDGETS.items()},
+                "budgets": {k: f"{s} x backprop's memory at batch {b}" for k, (s, b) in BUDGETS.items()},
                 "data": "Fashion-MNIST (Debian package): per_class x 10 train, 2% of the official train "
                 "split as validation, the official 10000 test images",
             },

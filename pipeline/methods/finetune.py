@@ -27,7 +27,7 @@ from ..errors import StageError
 from ..models.memory import Footprint, footprint
 from ..models.weights import load_weights
 from ..models.zoo import BlockNet, TopNet, feature_shape, replace_classifier, split_at
-from ..ops.batching import rechunk
+from ..ops.batching import rechunk, xy
 from ..registry import register
 from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage
@@ -52,11 +52,6 @@ class FrozenBottomNet(torch.nn.Module):
         super().train(mode)
         self.bottom.eval()  # frozen BN statistics stay frozen
         return self
-
-
-def xy(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for b in batches:
-        yield b["x"], b["y"]
 
 
 @register

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from ..data.decode import Decoder, InputAugment
 from ..models.weights import load_weights, save_weights
-from ..ops.batching import rechunk
+from ..ops.batching import rechunk, xy
 from ..registry import register
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage
@@ -77,16 +77,13 @@ class Pretrain(Stage):
         stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch)
 
         def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for b in rechunk(
-                stream.open("train", epoch=epoch, shuffle=True, seed=self.seed), self.batch_size
-            ):
-                yield b["x"], b["y"]
+            opened = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
+            return xy(rechunk(opened, self.batch_size))
 
         eval_split = "val" if "val" in data.splits else None
 
         def eval_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for b in stream.open(eval_split):
-                yield b["x"], b["y"]
+            return xy(stream.open(eval_split))
 
         def on_epoch(record: dict[str, Any]) -> None:
             ctx.metrics_log({"stage": name, **record})

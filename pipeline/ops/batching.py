@@ -65,3 +65,9 @@ def rechunk(batches: Iterable[Batch], size: int, *, drop_last: bool = False) -> 
             pending, count = [split_batch(batch, start, n)], n - start
     if count and not drop_last:
         yield concat(pending)
+
+
+def xy(batches: Iterable[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) pairs from batches of fields: what the trainers consume."""
+    for batch in batches:
+        yield batch["x"], batch["y"]

@@ -75,8 +75,9 @@ def test_spill_rechunked_to_another_batch_keeps_every_sample_with_its_label(
     r = recipe_from_dict(recipe_dict())
     runner = Runner(r, RunContext(catalog=Catalog(tmp_path / "store")))
     images = runner.output("images")
-    layers = list(build_layer_net("vgg11", 10, width_mult=0.125, seed=0).layers[:2])
-    outputs = block_output_stream(images, layers, after_layer=1)
+    net = build_layer_net("vgg11", 10, width_mult=0.125, seed=0)
+    layers = list(net.layers[:2])
+    outputs = block_output_stream(images, layers, net.info[1].out_shape, after_layer=1)
     spills = Spills(
         Catalog(tmp_path / "store"),
         "ab" * 32,

@@ -77,8 +77,13 @@ class BlockRun:
         if newest != want:
             base = self.images if newest < 0 else self.spills.open(newest)
             layer_ids = [i for b in self.blocks[newest + 1 : want + 1] for i in b.layers]
+            last = layer_ids[-1]
             outputs = block_output_stream(
-                base, [self.net.layers[i] for i in layer_ids], layer_ids[-1], splits=SPILLED_SPLITS
+                base,
+                [self.net.layers[i] for i in layer_ids],
+                self.net.info[last].out_shape,
+                last,
+                splits=SPILLED_SPLITS,
             )
             lineage = {
                 "recipe": self.ctx.recipe_name,

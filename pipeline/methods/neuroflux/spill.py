@@ -56,23 +56,19 @@ def derived_fingerprint(stage_fingerprint: str, what: str) -> str:
 
 
 def block_output_stream(
-    parent: Stream, layers: Sequence[nn.Module], after_layer: int, splits: Sequence[str] | None = None
+    parent: Stream,
+    layers: Sequence[nn.Module],
+    shape: Sequence[int],
+    after_layer: int,
+    splits: Sequence[str] | None = None,
 ) -> MapStream:
     """``parent`` with ``x`` replaced by the output of ``layers`` (eval mode, no autograd); y, id kept.
 
-    ``splits``: the splits the stream carries (default all). Later blocks train on ``train`` and
-    validate on ``val``; the test split is evaluated end to end from images, so it need not be spilled.
+    ``shape``: one sample's output shape (the last layer's ``LayerInfo.out_shape``). ``splits``: the
+    splits the stream carries (default all). Later blocks train on ``train`` and validate on ``val``;
+    the test split is evaluated end to end from images, so it need not be spilled.
     """
-    with torch.no_grad():
-        probe = parent.spec.splits[next(iter(parent.spec.splits))].fields["x"].shape
-        h = torch.zeros(1, *probe)
-        was = [m.training for m in layers]
-        for m in layers:
-            m.eval()
-            h = m(h)
-        for m, mode in zip(layers, was, strict=True):
-            m.train(mode)
-    shape = tuple(int(d) for d in h.shape[1:])
+    shape = tuple(int(d) for d in shape)
     kept = {
         name: SplitSpec(s.num_samples, {**s.fields, "x": FieldSpec(shape, "float32")})
         for name, s in parent.spec.splits.items()

@@ -35,7 +35,7 @@ from stores.catalog import Catalog
 from ...errors import ModelError, StageError
 from ...fingerprint import canonical_json, is_cacheable, sha256_hex
 from ...models.weights import load_weights
-from ...ops.batching import Batch, rechunk
+from ...ops.batching import Batch, rechunk, xy
 from ...ops.prefetch import prefetch
 from ...registry import register
 from ...spec import RESULT, STREAM, Spec
@@ -62,11 +62,6 @@ from .spill import SpillConfig, Spills, derived_fingerprint
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
 MIB = 2**20
-
-
-def xy(batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for b in batches:
-        yield b["x"], b["y"].long()
 
 
 def trainable(batches: Iterator[Batch]) -> Iterator[Batch]:
