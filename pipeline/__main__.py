@@ -4,7 +4,7 @@ from .errors import missing_dependency
 
 try:
     from .cli import main
-except ModuleNotFoundError as exc:  # the CLI module itself imports the store (zarr)
+except ModuleNotFoundError as exc:  # not even pyyaml/pydantic: the CLI cannot start
     print(missing_dependency(exc), file=sys.stderr)
     raise SystemExit(2) from None
 

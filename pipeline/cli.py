@@ -8,6 +8,7 @@ message, never a traceback (set ONDEVICE_TL_DEBUG=1 to see one).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -224,6 +225,19 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return cache_cli.main(args)
 
 
+# Commands that only read recipes: they need pyyaml and pydantic, nothing heavier.
+RECIPE_ONLY_COMMANDS = frozenset({"validate", "stages"})
+# What every other command imports once it starts working. Checked first, so a half-installed
+# Python gets the setup message before a stage has run, not after an hour of training.
+RUNTIME_MODULES = ("torch", "torchvision", "zarr", "numcodecs", "tqdm")
+
+
+def _check_runtime() -> None:
+    for name in RUNTIME_MODULES:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 COMMANDS = {
     "run": cmd_run,
     "plan": cmd_plan,
@@ -237,6 +251,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command not in RECIPE_ONLY_COMMANDS:
+            _check_runtime()
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(
@@ -254,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    except ModuleNotFoundError as exc:  # stages import their libraries when first used
+    except ModuleNotFoundError as exc:  # stages import their libraries when first used (pipeline.lazy)
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
         print(missing_dependency(exc), file=sys.stderr)

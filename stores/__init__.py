@@ -1,6 +1,8 @@
 """Disk-backed, content-addressed cache storage: key/value stores, the entry catalog, zarr entries.
 
 This package is the lower layer of the toolkit and never imports ``pipeline``.
+Importing it does not import zarr: the zarr entry names below load on first use, so
+the catalog and the errors work where only the recipe tools are installed.
 """
 
 from __future__ import annotations
@@ -35,14 +37,19 @@ from stores.errors import (
 from stores.local import LocalStore, atomic_write_bytes, fsync_dir
 from stores.lock import DirLock, FileLock, LockHolder
 from stores.verify import Problem, VerifyReport
-from stores.zarr_entry import (
-    ArraySpec,
-    ChunkProblem,
-    DurableLocalStore,
-    ZarrReader,
-    ZarrWriter,
-    suggest_chunk_samples,
+
+_ZARR_ENTRY_NAMES = frozenset(
+    {"ArraySpec", "ChunkProblem", "DurableLocalStore", "ZarrReader", "ZarrWriter", "suggest_chunk_samples"}
 )
+
+
+def __getattr__(name: str) -> object:
+    if name in _ZARR_ENTRY_NAMES:
+        from stores import zarr_entry
+
+        return getattr(zarr_entry, name)
+    raise AttributeError(f"module 'stores' has no attribute {name!r}")
+
 
 __all__ = [
     "ArraySpec",

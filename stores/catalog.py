@@ -73,10 +73,17 @@ from stores.errors import (
     StoreFullError,
     StoreNotFoundError,
 )
-from stores.local import TEMP_MARKER, atomic_write_bytes, fsync_dir, fsync_tree, makedirs_durable
+from stores.local import (
+    FULL_DISK_ERRNOS,
+    TEMP_MARKER,
+    atomic_write_bytes,
+    free_bytes,
+    fsync_dir,
+    fsync_tree,
+    makedirs_durable,
+)
 from stores.lock import DirLock, FileLock, LockHolder
 from stores.verify import VerifyReport, verify_entry
-from stores.zarr_entry import FULL_DISK_ERRNOS, free_bytes
 
 FORMAT = "ondevice-tl-entry"
 FORMAT_VERSION = 1

@@ -94,9 +94,8 @@ from stores.errors import (
     StoreNotFoundError,
 )
 from stores.layout import ArraySpec, ChunkedReader, split_name
-from stores.local import fsync_dir
+from stores.local import FULL_DISK_ERRNOS, free_bytes, fsync_dir
 from stores.throttle import ThrottledFile, as_device
-from stores.zarr_entry import FULL_DISK_ERRNOS, free_bytes
 
 __all__ = ["ENTRY_FILENAME", "H5Reader", "H5Writer", "entry_file", "progress_file", "read_progress"]
 

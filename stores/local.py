@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,20 @@ TEMP_MARKER = ".~tmp-"
 # Filesystems that cannot fsync a directory say so with one of these; there is nothing
 # more we can do there, and failing every write would make the store unusable.
 _FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EBADF}
+
+# errno values meaning "no space left": a full disk, or a full quota.
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (or its nearest existing parent); None if unknown."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

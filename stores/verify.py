@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Literal
 
 from stores.errors import StoreError
-from stores.zarr_entry import ZarrReader
 
 ProblemKind = Literal["missing_file", "size_mismatch", "unexpected_file", "unreadable_zarr", "corrupt_chunk"]
 
@@ -123,6 +122,10 @@ def verify_entry(
     for rel in sorted(set(actual) - set(manifest_files)):
         message = f"file {rel} ({actual[rel]} bytes) is not in the manifest"
         problems.append(Problem(fingerprint, "unexpected_file", rel, message))
+    # zarr only when there is a hierarchy to check: the catalog (and recipe
+    # validation through it) must import without zarr installed.
+    from stores.zarr_entry import ZarrReader
+
     chunks = 0
     hierarchies = zarr_hierarchies(path)
     for hier in hierarchies:

@@ -33,7 +33,6 @@ this module). Choices and why:
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import secrets
@@ -62,13 +61,11 @@ from stores.errors import (
     StoreNotFoundError,
 )
 from stores.layout import ArraySpec, ChunkedReader, did_you_mean, split_name
-from stores.local import TEMP_MARKER, fsync_dir
+from stores.local import FULL_DISK_ERRNOS, TEMP_MARKER, free_bytes, fsync_dir
 
 Compressor = Literal["zstd", "blosc", "none"]
 _LEVELS = {"zstd": range(-7, 23), "blosc": range(0, 10), "none": range(-7, 23)}
 _META = "zarr.json"
-# errno values meaning "no space left": a full disk, or a full quota.
-FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # Errors zarr/numcodecs raise for an undecodable chunk: crc32c mismatch is ValueError,
 # a damaged zstd/blosc frame RuntimeError, a truncated buffer TypeError/ValueError.
 _DECODE_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
@@ -90,17 +87,6 @@ def _codecs(compressor: str, level: int, checksum: bool, itemsize: int) -> list[
     if checksum:
         chain.append(Crc32cCodec())
     return chain
-
-
-def free_bytes(path: str | os.PathLike[str]) -> int | None:
-    """Free bytes on the filesystem holding ``path`` (or its nearest existing parent); None if unknown."""
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
-        return None
 
 
 def _write_all(fd: int, data: memoryview) -> None:

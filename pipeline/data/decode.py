@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import albumentations as A
-import cv2
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from ..errors import DataError
+from ..lazy import lazy_module
 from .sampleset import Images
+
+if TYPE_CHECKING:
+    import albumentations as A
+    import cv2
+    import torch
+    import torch.nn.functional as F
+else:
+    A = lazy_module("albumentations")
+    cv2 = lazy_module("cv2")
+    torch = lazy_module("torch")
+    F = lazy_module("torch.nn.functional")
 
 _MASK64 = (1 << 64) - 1
 

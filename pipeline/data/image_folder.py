@@ -18,14 +18,21 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps
 
 from ..errors import DataError, MissingPathError
+from ..lazy import lazy_module
 from .identity import files_identity, hash_json
 from .sampleset import Images, SampleSet, as_batch
+
+if TYPE_CHECKING:
+    from PIL import ExifTags, Image, ImageOps
+else:
+    ExifTags = lazy_module("PIL.ExifTags")
+    Image = lazy_module("PIL.Image")
+    ImageOps = lazy_module("PIL.ImageOps")
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png"})
 SPLIT_NAMES = ("train", "val", "test")

@@ -29,7 +29,8 @@ import numpy as np
 import zarr
 
 from stores.errors import CorruptChunkError, StoreNotFoundError
-from stores.zarr_entry import FULL_DISK_ERRNOS, DurableLocalStore, ZarrReader, free_bytes
+from stores.local import FULL_DISK_ERRNOS, free_bytes
+from stores.zarr_entry import DurableLocalStore, ZarrReader
 
 from ..fingerprint import canonical_json, is_cacheable
 from ..stream import Stream

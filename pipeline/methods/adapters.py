@@ -20,16 +20,27 @@ so they keep no activation they do not need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch import nn
 
 from ..errors import ModelError
-from ..models.zoo import final_layer
-from .layers import memory_efficient_frozen_layers
-from .mobiletl import Variant, apply_mobiletl, check_mobiletl_top
-from .tinytl import add_lite_residuals, replace_bn_with_gn, train_biases
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..models import zoo
+    from . import layers, mobiletl, tinytl
+else:
+    nn = lazy_module("torch.nn")
+    layers = lazy_module("pipeline.methods.layers")
+    mobiletl = lazy_module("pipeline.methods.mobiletl")
+    tinytl = lazy_module("pipeline.methods.tinytl")
+    zoo = lazy_module("pipeline.models.zoo")
+
+# MobileTL's ablation variants (its paper's Table 5); see pipeline.methods.mobiletl.
+Variant = Literal["proj-bn", "all-bn-shift", "all-bn"]
 
 
 class _Method(BaseModel):
@@ -123,7 +134,7 @@ def _freeze(module: nn.Module) -> None:
 
 
 def _train_classifier(top: nn.Module) -> None:
-    _name, layer = final_layer(top)
+    _name, layer = zoo.final_layer(top)
     for p in layer.parameters():
         p.requires_grad_(True)
 
@@ -136,7 +147,7 @@ def check_method(method: _Method, arch: str, blocks: list[nn.Module], train_last
                          f"(all {n} blocks of {arch}), found {train_last_blocks}; "
                          "use method: vanilla to fine-tune the last N blocks")
     if isinstance(method, MobileTLMethod):
-        check_mobiletl_top(arch, blocks, train_last_blocks)
+        mobiletl.check_mobiletl_top(arch, blocks, train_last_blocks)
     if isinstance(method, TinyTLMethod) and method.mode != "bias":
         from .mobiletl import SUPPORTED_ARCHS, is_irb
 
@@ -167,7 +178,7 @@ def apply_method(method: _Method, arch: str, blocks: list[nn.Module], top: nn.Mo
     elif isinstance(method, FTLastMethod):
         _freeze(top)
         _train_classifier(top)
-        details["lean_layers"] = memory_efficient_frozen_layers(top)
+        details["lean_layers"] = layers.memory_efficient_frozen_layers(top)
     elif isinstance(method, FTNormLastMethod):
         _freeze(top)
         for m in top.modules():
@@ -175,28 +186,28 @@ def apply_method(method: _Method, arch: str, blocks: list[nn.Module], top: nn.Mo
                 for p in m.parameters():
                     p.requires_grad_(True)
         _train_classifier(top)
-        details["lean_layers"] = memory_efficient_frozen_layers(top)
+        details["lean_layers"] = layers.memory_efficient_frozen_layers(top)
     elif isinstance(method, MobileTLMethod):
         for p in top.parameters():
             p.requires_grad_(True)
-        details.update(apply_mobiletl(arch, blocks, train_last_blocks, method.variant))
+        details.update(mobiletl.apply_mobiletl(arch, blocks, train_last_blocks, method.variant))
     elif isinstance(method, TinyTLMethod):
         _freeze(top)
         if method.replace_bn_with_gn:
             per_group = method.gn_channels_per_group
-            details["gn_replaced"] = sum(replace_bn_with_gn(b, per_group) for b in top_blocks)
+            details["gn_replaced"] = sum(tinytl.replace_bn_with_gn(b, per_group) for b in top_blocks)
             _freeze(top)
         if method.mode in ("lite", "lite_bias"):
-            lite = add_lite_residuals(arch, top_blocks, top_input_shape, kernel=method.lite_kernel,
+            lite = tinytl.add_lite_residuals(arch, top_blocks, top_input_shape, kernel=method.lite_kernel,
                                       groups=method.lite_groups, downsample=method.lite_downsample,
                                       expand=method.lite_expand,
                                       gn_channels_per_group=method.gn_channels_per_group)
             details["lite_modules"] = len(lite)
             details["lite_kernels"] = [m["kernel"] for m in lite]
         if method.mode in ("bias", "lite_bias"):
-            details["bias_elements"] = sum(train_biases(b) for b in top_blocks)
+            details["bias_elements"] = sum(tinytl.train_biases(b) for b in top_blocks)
         _train_classifier(top)
-        details["lean_layers"] = memory_efficient_frozen_layers(top)
+        details["lean_layers"] = layers.memory_efficient_frozen_layers(top)
     else:  # pragma: no cover - the discriminated union admits nothing else
         raise ModelError(f"unknown method {method!r}; expected one of {METHOD_TYPES}")
     return Adapted(method.label(), details)

@@ -18,15 +18,13 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field, field_validator
 
 from ..errors import StageError
-from ..models.memory import Footprint, footprint
+from ..lazy import lazy_module
 from ..models.weights import load_weights
-from ..models.zoo import BlockNet, TopNet, feature_shape, replace_classifier, split_at
 from ..ops.batching import rechunk, xy
 from ..registry import register
 from ..spec import MODEL, RESULT, STREAM, Spec
@@ -35,23 +33,16 @@ from ..stream import Stream
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
 from .trainer import TrainConfig, evaluate, train
 
+if TYPE_CHECKING:
+    import torch
 
-class FrozenBottomNet(torch.nn.Module):
-    """bottom (frozen, eval mode, no autograd graph) followed by a trainable top."""
-
-    def __init__(self, bottom: torch.nn.Module, top: torch.nn.Module) -> None:
-        super().__init__()
-        self.bottom, self.top = bottom, top
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            h = self.bottom(x)
-        return self.top(h)
-
-    def train(self, mode: bool = True) -> FrozenBottomNet:
-        super().train(mode)
-        self.bottom.eval()  # frozen BN statistics stay frozen
-        return self
+    from ..models import memory, zoo
+    from ..models.memory import Footprint
+    from ..models.zoo import BlockNet, TopNet
+else:
+    torch = lazy_module("torch")
+    memory = lazy_module("pipeline.models.memory")
+    zoo = lazy_module("pipeline.models.zoo")
 
 
 @register
@@ -125,13 +116,13 @@ class Finetune(Stage):
         if x is None or len(x.shape) != 3:
             raise StageError(f"`images: {self.images}` must carry image tensors 'x' of shape (C,H,W), "
                              f"found {x}")
-        return feature_shape(net, n, int(x.shape[-1]))
+        return zoo.feature_shape(net, n, int(x.shape[-1]))
 
     def prepare(self, net: BlockNet, n: int, num_classes: int,
                 top_input_shape: tuple[int, int, int]) -> tuple[torch.nn.Module, TopNet, Adapted]:
         """(frozen bottom, top made trainable by ``method``, what the method did), from a fresh ``net``."""
-        replace_classifier(net, num_classes)
-        bottom, top = split_at(net, n)
+        zoo.replace_classifier(net, num_classes)
+        bottom, top = zoo.split_at(net, n)
         for p in bottom.parameters():
             p.requires_grad_(False)
         adapted = apply_method(self.method, net.arch, list(net.blocks), top, n, top_input_shape)
@@ -142,7 +133,7 @@ class Finetune(Stage):
         frozen = 0
         if self.mode == "single_stage":  # the frozen bottom's weights sit in memory too
             frozen = sum(t.numel() * t.element_size() for t in [*bottom.parameters(), *bottom.buffers()])
-        return footprint(top, (self.batch_size, *top_input_shape), num_classes=num_classes,
+        return memory.footprint(top, (self.batch_size, *top_input_shape), num_classes=num_classes,
                          optimizer=self.train.optimizer, momentum=self.train.momentum, measure=measure,
                          frozen_bytes=frozen, label=f"{adapted.method}, {self.mode}", seed=self.seed)
 
@@ -180,7 +171,7 @@ class Finetune(Stage):
         net = model_value.build()
         shape = self._top_input_shape(specs, net, n)
         bottom, top, adapted = self.prepare(net, n, stream.spec.num_classes, shape)
-        trained = top if self.mode == "two_stage" else FrozenBottomNet(bottom, top)
+        trained = top if self.mode == "two_stage" else zoo.FrozenBottomNet(bottom, top)
         device = ctx.torch_device
         trained.to(device)
         fp = None

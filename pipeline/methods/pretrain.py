@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import Field
 
 from ..data.decode import Decoder, InputAugment
+from ..lazy import lazy_module
 from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
 from ..registry import register
@@ -24,6 +24,11 @@ from ..stage import Stage
 from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream
 from ..stages.model import ArchConfig, ModelValue, model_spec
 from .trainer import TrainConfig, train
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 WEIGHTS_FILE = "weights.pt"
 

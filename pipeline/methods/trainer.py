@@ -12,16 +12,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, Field, model_validator
-from torch import nn
 
 from ..errors import DataError, ModelError
+from ..lazy import lazy_module
 from ..models.weights import save_weights
 
-Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
+
+Batches = Iterable[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class TrainConfig(BaseModel, frozen=True, extra="forbid"):

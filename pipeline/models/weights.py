@@ -13,16 +13,21 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingPathError, ModelError
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
 
 log = logging.getLogger(__name__)
 
-StateDict = dict[str, torch.Tensor]
+StateDict = dict[str, "torch.Tensor"]
 PLAIN = (str, int, float, bool, type(None))
 MAX_LISTED = 8  # keys listed per category in a mismatch message; the count says how many more
 

@@ -92,6 +92,24 @@ class TopNet(nn.Module):
         return self.head(x)
 
 
+class FrozenBottomNet(nn.Module):
+    """bottom (frozen, eval mode, no autograd graph) followed by a trainable top."""
+
+    def __init__(self, bottom: nn.Module, top: nn.Module) -> None:
+        super().__init__()
+        self.bottom, self.top = bottom, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.bottom(x)
+        return self.top(h)
+
+    def train(self, mode: bool = True) -> FrozenBottomNet:
+        super().train(mode)
+        self.bottom.eval()  # frozen BN statistics stay frozen
+        return self
+
+
 def _first_conv(module: nn.Module) -> nn.Conv2d:
     return next(m for m in module.modules() if isinstance(m, nn.Conv2d))
 

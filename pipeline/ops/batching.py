@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
-import torch
+from ..lazy import lazy_module
 
-Batch = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
+
+
+Batch = dict[str, "torch.Tensor"]
 
 
 def batch_size_of(batch: Batch) -> int:

@@ -14,20 +14,29 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from stores.h5_entry import H5Reader, H5Writer
-from stores.throttle import ThrottledZarrStore
-from stores.zarr_entry import ArraySpec, ZarrReader, ZarrWriter
+from stores.layout import ArraySpec
 
+from ..lazy import lazy_module
 from ..spec import FieldSpec, Spec, SplitSpec
 from ..stream import Stream, StreamStats
 from .batching import Batch
 from .prefetch import prefetch
 from .shuffle import window_shuffle
+
+if TYPE_CHECKING:
+    import torch
+
+    from stores import h5_entry, zarr_entry
+    from stores import throttle as throttling
+else:
+    torch = lazy_module("torch")
+    h5_entry = lazy_module("stores.h5_entry")
+    throttling = lazy_module("stores.throttle")
+    zarr_entry = lazy_module("stores.zarr_entry")
 
 SPEC_ATTR = "pipeline_spec"
 # Bytes an encoded chunk may exceed its decoded size by (frame headers, crc32c), per chunk.
@@ -137,14 +146,14 @@ def write_stream(
     if fmt == "hdf5":
         # Resumes from the rows its progress log records and that still match their crc32
         # (see stores.h5_entry); anything else is discarded with a message.
-        writer = H5Writer(
+        writer = h5_entry.H5Writer(
             entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level, resume=True
         )
         if writer.restart_reason is not None and log is not None:
             log(f"could not resume the interrupted HDF5 build ({writer.restart_reason}); starting over")
     else:
         # "wipe": a leftover written with other chunking/codec settings is rebuilt, never mixed in.
-        writer = ZarrWriter(
+        writer = zarr_entry.ZarrWriter(
             entry_dir / ZARR_DIR,
             arrays,
             counts,
@@ -192,11 +201,11 @@ def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
     through the simulator: for benchmarks and tests of prefetching, never for real runs.
     """
     if (entry_dir / H5_FILE).is_file():
-        return H5Reader(entry_dir / H5_FILE, throttle=throttle)
+        return h5_entry.H5Reader(entry_dir / H5_FILE, throttle=throttle)
     store = None
     if throttle is not None:
-        store = ThrottledZarrStore(entry_dir / ZARR_DIR, throttle, read_only=True)
-    return ZarrReader(entry_dir / ZARR_DIR, zarr_store=store)
+        store = throttling.ThrottledZarrStore(entry_dir / ZARR_DIR, throttle, read_only=True)
+    return zarr_entry.ZarrReader(entry_dir / ZARR_DIR, zarr_store=store)
 
 
 class StoredStream(Stream):

@@ -9,10 +9,15 @@ shuffle and costs more memory: that is the randomness-vs-sequentiality knob.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
-import torch
-
+from ..lazy import lazy_module
 from .batching import Batch, batch_size_of, concat, split_batch
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 def window_shuffle(batches: Iterable[Batch], window: int, *, seed: int, out_size: int) -> Iterator[Batch]:

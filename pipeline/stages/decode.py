@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.decode import Decoder, InputAugment
+from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..ops.prefetch import prefetch
 from ..registry import register
@@ -23,6 +23,11 @@ from ..spec import DATASET, STREAM, FieldSpec, Spec, SplitSpec
 from ..stage import Stage
 from ..stream import Stream, StreamStats
 from .sources import DatasetValue
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

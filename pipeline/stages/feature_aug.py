@@ -8,18 +8,23 @@ augmentation of a sample does not depend on which batch or worker it landed in.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from ..errors import StageError
+from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..registry import register
 from ..spec import STREAM, Spec
 from ..stage import Stage
 from ..stream import MapStream
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

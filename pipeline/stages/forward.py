@@ -18,19 +18,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field
 
 from ..errors import ModelError, StageError
-from ..models.zoo import feature_shape, split_at
+from ..lazy import lazy_module
 from ..ops.batching import Batch, rechunk
 from ..registry import register
 from ..spec import MODEL, STREAM, FieldSpec, Spec, SplitSpec
 from ..stage import Stage
 from ..stream import Stream, StreamStats
 from .model import ModelValue
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models import zoo
+else:
+    torch = lazy_module("torch")
+    zoo = lazy_module("pipeline.models.zoo")
 
 
 def check_cut(train_last_blocks: int, model: Spec) -> None:
@@ -115,7 +122,7 @@ class FrozenForward(Stage):
 
         arch = ArchConfig(model.meta["arch"], model.num_classes, model.meta["width_mult"],
                           model.meta["small_input"], model.meta["resolution"])
-        shape = feature_shape(arch.build(), self.train_last_blocks, resolution)
+        shape = zoo.feature_shape(arch.build(), self.train_last_blocks, resolution)
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
@@ -130,7 +137,7 @@ class FrozenForward(Stage):
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> ForwardStream:
         model: ModelValue = inputs["model"]
         spec = self.resolve({"input": inputs["input"].spec, "model": model.spec}, ctx)
-        bottom, _top = split_at(model.build(), self.train_last_blocks)
+        bottom, _top = zoo.split_at(model.build(), self.train_last_blocks)
         for p in bottom.parameters():
             p.requires_grad_(False)
         bottom.eval()

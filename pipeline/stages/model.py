@@ -5,17 +5,24 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import Field
 
 from ..errors import MissingPathError
+from ..lazy import lazy_module
 from ..models.weights import apply_weights, hub_checkpoint, load_weights
-from ..models.zoo import BlockNet, build_backbone
 from ..registry import register
 from ..spec import MODEL, Spec
 from ..stage import Stage
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models import zoo
+else:
+    torch = lazy_module("torch")
+    zoo = lazy_module("pipeline.models.zoo")
 
 
 @dataclass(frozen=True)
@@ -26,8 +33,8 @@ class ArchConfig:
     small_input: bool = False
     resolution: int = 224
 
-    def build(self) -> BlockNet:
-        return build_backbone(self.arch, self.num_classes, width_mult=self.width_mult,
+    def build(self) -> zoo.BlockNet:
+        return zoo.build_backbone(self.arch, self.num_classes, width_mult=self.width_mult,
                               small_input=self.small_input)
 
 
@@ -43,7 +50,7 @@ class ModelValue:
     def __post_init__(self) -> None:
         self.num_blocks = len(self.config.build().blocks)
 
-    def build(self) -> BlockNet:
+    def build(self) -> zoo.BlockNet:
         net = self.config.build()
         if self.state_dict is not None:
             apply_weights(net, self.state_dict, source=self.source)

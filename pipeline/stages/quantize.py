@@ -8,19 +8,26 @@ measure that model, not the compression.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field
 
-from ..codec.bitpack import packed_length
-from ..codec.quantile import QuantizedBatch, dequantize, quantize
 from ..errors import StageError
+from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..registry import register
 from ..spec import STREAM, FieldSpec, Spec, SplitSpec
 from ..stage import Stage
 from ..stream import MapStream
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..codec import bitpack, quantile
+else:
+    torch = lazy_module("torch")
+    bitpack = lazy_module("pipeline.codec.bitpack")
+    quantile = lazy_module("pipeline.codec.quantile")
 
 FLOAT_BITS = {16: "float16", 32: "float32"}
 
@@ -30,7 +37,7 @@ def quantized_fields(shape: tuple[int, ...], bits: int) -> dict[str, FieldSpec]:
     n = 1
     for d in shape:
         n *= d
-    return {"codes": FieldSpec((packed_length(n, bits),), "uint8"), "lo": FieldSpec((c,), "float16"),
+    return {"codes": FieldSpec((bitpack.packed_length(n, bits),), "uint8"), "lo": FieldSpec((c,), "float16"),
             "scale": FieldSpec((c,), "float16")}
 
 
@@ -85,7 +92,7 @@ class Quantize(Stage):
             if bits in FLOAT_BITS:
                 out["x"] = batch["x"].to(getattr(torch, FLOAT_BITS[bits]))
             else:
-                q = quantize(batch["x"], bits, self.k if self.k < 1 else int(self.k))
+                q = quantile.quantize(batch["x"], bits, self.k if self.k < 1 else int(self.k))
                 out.update(codes=q.codes, lo=q.lo, scale=q.scale)
             return out
 
@@ -124,9 +131,10 @@ class Dequantize(Stage):
         def decode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
             out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
             if "codes" in batch:
-                q = QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=bits,
-                                   shape=shape)
-                out["x"] = dequantize(q)
+                q = quantile.QuantizedBatch(
+                    codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=bits, shape=shape
+                )
+                out["x"] = quantile.dequantize(q)
             else:
                 out["x"] = batch["x"].float()
             return out

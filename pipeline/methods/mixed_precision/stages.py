@@ -20,19 +20,26 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from ...errors import ModelError, StageError
+from ...lazy import lazy_module
 from ...registry import register
 from ...spec import MODEL, RESULT, STREAM, Spec
 from ...stage import Stage
 from ..finetune import Finetune
-from .fakequant import FakeQuantModel
-from .graph import CutPoint, LayerGraph, layer_graph
 from .search import SearchConfig, nsga2, robustness
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import fakequant, graph
+else:
+    torch = lazy_module("torch")
+    fakequant = lazy_module("pipeline.methods.mixed_precision.fakequant")
+    graph = lazy_module("pipeline.methods.mixed_precision.graph")
 
 PARTITION_FILE = "partition.json"
 
@@ -61,10 +68,10 @@ class Partition(Mapping[str, Any]):
                 f"{self['evaluations']} evaluations in {self['seconds']:.0f}s")
 
 
-def candidate_cuts(lg: LayerGraph, granularity: str) -> dict[int, CutPoint]:
+def candidate_cuts(lg: graph.LayerGraph, granularity: str) -> dict[int, graph.CutPoint]:
     """Layers below -> the highest valid cut with exactly those layers below (block boundaries only
     for ``granularity == "block"``, so the chosen cut can run as ``frozen_forward``)."""
-    cuts: dict[int, CutPoint] = {}
+    cuts: dict[int, graph.CutPoint] = {}
     for cut in lg.cut_points():
         if granularity == "block" and cut.train_last_blocks is None:
             continue
@@ -117,12 +124,12 @@ class PartitionSearch(Stage):
                             min_samples=self.min_samples, max_samples=self.max_samples, delta=self.delta,
                             seed=self.seed)
 
-    def _graph(self, model: Spec) -> LayerGraph:
+    def _graph(self, model: Spec) -> graph.LayerGraph:
         from ...stages.model import ArchConfig
 
         arch = ArchConfig(model.meta["arch"], model.num_classes, model.meta["width_mult"],
                           model.meta["small_input"], model.meta["resolution"])
-        return layer_graph(arch.build())
+        return graph.layer_graph(arch.build())
 
     def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
         data, model = inputs["input"], inputs["model"]
@@ -163,7 +170,7 @@ class PartitionSearch(Stage):
         torch.manual_seed(self.seed)
         model_value = inputs["model"]
         net = model_value.build().eval()
-        lg = layer_graph(net)
+        lg = graph.layer_graph(net)
         cuts = candidate_cuts(lg, self.cut_granularity)
         layers = [layer for layer in lg.layers if layer != lg.classifier]
         calib_x, _ = self._images(inputs["input"], self.calibration_split, self.calibration_samples, False)
@@ -174,7 +181,7 @@ class PartitionSearch(Stage):
         cfg = self._config()
         cfg = SearchConfig(**{**cfg.__dict__, "max_samples": len(x),
                               "min_samples": min(cfg.min_samples, len(x))})
-        fq = FakeQuantModel(net, layers, calib_x.split(self.batch_size))
+        fq = fakequant.FakeQuantModel(net, layers, calib_x.split(self.batch_size))
 
         def evaluate(bits: tuple[int, ...], samples: int) -> float:
             fq.set_scheme(dict(zip(layers, bits, strict=True)))

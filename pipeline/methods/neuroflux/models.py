@@ -25,10 +25,7 @@ import torchvision.models.vgg as tv_vgg
 from torch import nn
 
 from ...errors import ModelError, did_you_mean
-
-VGG_CONFIGS = {"vgg11": "A", "vgg16": "D", "vgg19": "E"}
-RESNET_STAGES = {"resnet18": (2, 2, 2, 2)}
-ARCHS = (*VGG_CONFIGS, *RESNET_STAGES)
+from .archs import ARCHS, RESNET_STAGES, VGG_CONFIGS
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import nn
 
-from ...models.memory import footprint
+from ...lazy import lazy_module
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ...models import memory
+else:
+    nn = lazy_module("torch.nn")
+    memory = lazy_module("pipeline.models.memory")
 
 # From 2: batch norm cannot train on one sample of a 1x1 map (late VGG layers); b=1 is extrapolated.
 DEFAULT_BATCHES = (2, 4, 8, 16)
@@ -79,6 +87,6 @@ def profile_module(
         raise ValueError(f"profiling needs at least two batch sizes to fit a line, got {list(batches)}")
     measured = []
     for b in batches:
-        fp = footprint(module, (b, *sample_shape), num_classes=num_classes, optimizer=optimizer)
+        fp = memory.footprint(module, (b, *sample_shape), num_classes=num_classes, optimizer=optimizer)
         measured.append(int(fp.total_measured_bytes))
     return fit_line(name, batches, measured)

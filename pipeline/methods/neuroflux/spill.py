@@ -18,20 +18,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
 
 from stores.catalog import Catalog, EntryUse
 from stores.errors import BudgetError
 
 from ...fingerprint import sha256_hex
+from ...lazy import lazy_module
 from ...ops.batching import Batch
 from ...ops.cache import StoredStream, write_stream
 from ...spec import STREAM, FieldSpec, Spec, SplitSpec
 from ...stream import MapStream, Stream
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
 
 SPILL_KIND = "neuroflux-spill"
 

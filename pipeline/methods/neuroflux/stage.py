@@ -24,16 +24,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field, field_validator
-from torch import nn
 
 from stores.catalog import Catalog
 
 from ...errors import ModelError, StageError
 from ...fingerprint import canonical_json, is_cacheable, sha256_hex
+from ...lazy import lazy_module
 from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk, xy
 from ...ops.prefetch import prefetch
@@ -42,8 +41,7 @@ from ...spec import RESULT, STREAM, Spec
 from ...stage import Stage
 from ...stream import Stream
 from ..trainer import TrainConfig, evaluate, train
-from .aux import ExitModel, LocalLayer, build_aux_heads
-from .blocks import BlockRun, save_atomic
+from .archs import ARCHS
 from .exit import (
     ExitCandidate,
     ExitRule,
@@ -53,11 +51,25 @@ from .exit import (
     load_exported,
     throughput,
 )
-from .local import evaluate_heads
-from .models import ARCHS, LayerNet, build_layer_net
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
 from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
 from .spill import SpillConfig, Spills, derived_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from . import aux as aux_heads
+    from . import blocks as block_runs
+    from . import local as local_learning
+    from . import models as layer_nets
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
+    aux_heads = lazy_module("pipeline.methods.neuroflux.aux")
+    block_runs = lazy_module("pipeline.methods.neuroflux.blocks")
+    local_learning = lazy_module("pipeline.methods.neuroflux.local")
+    layer_nets = lazy_module("pipeline.methods.neuroflux.models")
 
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
@@ -116,10 +128,10 @@ class _BudgetedTraining(Stage):
             raise StageError(f"`input: {self.input}` has {h}x{w} images; the models expect square inputs")
         return c, h, w
 
-    def _net(self, spec: Spec) -> LayerNet:
+    def _net(self, spec: Spec) -> layer_nets.LayerNet:
         c, h, _ = self._image_shape(spec)
         try:
-            return build_layer_net(
+            return layer_nets.build_layer_net(
                 self.arch,
                 spec.num_classes,
                 width_mult=self.width_mult,
@@ -210,11 +222,13 @@ class NeuroFlux(_BudgetedTraining):
         return sha256_hex(canonical_json(payload))
 
     # ------------------------------------------------------------------ plan
-    def profile_layers(self, spec: Spec) -> tuple[LayerNet, nn.ModuleList, list[LocalLayer], list[MemoryFit]]:
+    def profile_layers(
+        self, spec: Spec
+    ) -> tuple[layer_nets.LayerNet, nn.ModuleList, list[aux_heads.LocalLayer], list[MemoryFit]]:
         """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step."""
         net = self._net(spec)
-        heads = build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
-        local = [LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
+        heads = aux_heads.build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
+        local = [aux_heads.LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
         fits = [
             self._profile(info.name, local[i], info.in_shape, spec.num_classes)
             for i, info in enumerate(net.info)
@@ -285,7 +299,9 @@ class NeuroFlux(_BudgetedTraining):
             keep=self.keep_spills,
             log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
         )
-        run = BlockRun(self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started)
+        run = block_runs.BlockRun(
+            self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started
+        )
         try:
             for block in blocks:
                 run.train(block)
@@ -296,16 +312,18 @@ class NeuroFlux(_BudgetedTraining):
 
         val_acc = run.val_acc
         candidates = [
-            ExitCandidate(i, val_acc[i], count_parameters(ExitModel(list(net.layers[: i + 1]), heads[i])))
+            ExitCandidate(
+                i, val_acc[i], count_parameters(aux_heads.ExitModel(list(net.layers[: i + 1]), heads[i]))
+            )
             for i in range(len(net.layers))
         ]
         chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
-        compact = ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
+        compact = aux_heads.ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
         test_split = self._test_split(images)
         _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split))
         # Every exit's test accuracy, for reporting only (the choice above saw validation data only):
         # the accuracy-vs-size curve a user picks a different tolerance from.
-        exit_test_acc = evaluate_heads(local, self._eval_batches(images, test_split))
+        exit_test_acc = local_learning.evaluate_heads(local, self._eval_batches(images, test_split))
         shape = net.in_shape
         full_parameters = count_parameters(net)
         metrics: dict[str, Any] = {
@@ -360,7 +378,7 @@ class NeuroFlux(_BudgetedTraining):
             with torch.no_grad():
                 logits = compact(x)
                 diff = (load_exported(path)(x) - logits).abs().max().item()
-            save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
+            block_runs.save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
             metrics.update(
                 exported_model=str(path),
                 exported_max_abs_diff=diff,
