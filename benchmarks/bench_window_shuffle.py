@@ -4,16 +4,19 @@ The cache stage reads whole chunks (large sequential reads for slow storage), sh
 the chunk order every epoch and the samples only within a window of ``window_chunks``
 chunks. How random that is depends on the order the samples were *stored* in:
 
-- the ``split`` stage keeps the source's order (``np.sort`` of the picked indices), so
-  Fashion-MNIST and digits are stored in their files' order, which is already mixed
-  across classes: any window gives well-mixed batches;
-- an ``image_folder`` source lists files class by class, so its caches are stored
-  **class-sorted**: a chunk holds one or two classes, and a small window gives batches
-  of one or two classes, which SGD with momentum handles badly.
+- Fashion-MNIST and digits come in their files' order, which is already mixed across
+  classes: any window gives well-mixed batches;
+- an ``image_folder`` source lists files class by class: stored in that order
+  (``split`` with ``shuffle_train: false``) a cache is **class-sorted**, a chunk holds one
+  or two classes, and a small window gives batches of one or two classes, which SGD with
+  momentum handles badly;
+- the ``split`` stage's default (``shuffle_train: true``) stores the train split in a
+  seeded random order, so even a class-sorted source reaches the cache mixed.
 
-This script measures both: real Fashion-MNIST images (the first ``--train`` training
+This script measures all three: real Fashion-MNIST images (the first ``--train`` training
 images, official test set), cached with the real writer (zarr, ``--chunk-samples`` per
-chunk) in the source order and class-sorted, read with the real ``StoredStream`` for
+chunk) in the source order, class-sorted, and in the order the real ``make_splits`` gives
+the class-sorted images, read with the real ``StoredStream`` for
 ``window_chunks`` in {1, 4, 16, all chunks (a full shuffle each epoch)}, and a small top
 (MLP 784-256-10 on the pixels as the "cached features", SGD + momentum) trained for a
 few epochs, several seeds. Reports test accuracy (mean, std) and the mean number of
@@ -37,6 +40,8 @@ from torch import nn
 
 from benchmarks._meta import write_result
 from pipeline.data.idx import read_idx
+from pipeline.data.sampleset import ArraySampleSet
+from pipeline.data.splits import make_splits
 from pipeline.ops.batching import Batch, rechunk
 from pipeline.ops.cache import StoredStream, write_stream
 from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
@@ -104,6 +109,17 @@ def train_top(
     return accuracy, float(np.mean(classes_per_batch))
 
 
+def split_order(labels: np.ndarray) -> np.ndarray:
+    """The train order the real split stage stores for samples given in this order (seed 0, no held-out)."""
+    names = [str(c) for c in range(int(labels.max()) + 1)]
+    source = ArraySampleSet(np.zeros((len(labels), 1, 1), np.uint8), labels, names, name="order-probe")
+    train = make_splits(
+        {"train": source}, classes=None, per_class=None, val_fraction=0.0, test_fraction=0.0, seed=0,
+        use_official_test=False,
+    )["train"]
+    return np.asarray(train.indices)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -121,9 +137,11 @@ def main() -> None:
     x, y, x_test, y_test = load(args.root, args.train)
     xt, yt = torch.from_numpy(x_test.astype(np.float32)), torch.from_numpy(y_test)
     sample_bytes = 784 * 2 + 8
+    class_sorted = np.argsort(y, kind="stable")  # how an image_folder source lists its samples
     orders = {
-        "source_order": np.arange(len(x)),  # what the split stage stores for Fashion-MNIST
-        "class_sorted": np.argsort(y, kind="stable"),  # what an image_folder source stores
+        "source_order": np.arange(len(x)),  # Fashion-MNIST's own (mixed) order
+        "class_sorted": class_sorted,  # split with shuffle_train: false on an image_folder source
+        "split_of_class_sorted": class_sorted[split_order(y[class_sorted])],  # the split stage's default
     }
     rows = []
     start = time.perf_counter()
@@ -172,7 +190,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{order_name:<13} window {window:>4} chunks"
+                    f"{order_name:<21} window {window:>4} chunks"
                     f"{' (full)' if row['full_shuffle'] else '       '} "
                     f"classes/batch {row['classes_per_batch']:4.1f}  "
                     f"accuracy {100 * row['accuracy_mean']:5.2f} +- {100 * row['accuracy_std']:4.2f} %"
@@ -192,8 +210,11 @@ def main() -> None:
                 "cache": "zarr via pipeline.ops.cache.write_stream, zstd 3, "
                 "read with StoredStream (prefetch 2)",
                 "stored_order_meaning": {
-                    "source_order": "split stage output for Fashion-MNIST/digits: the files' (mixed) order",
-                    "class_sorted": "split stage output for an image_folder source: class by class",
+                    "source_order": "Fashion-MNIST/digits in their files' (mixed) order",
+                    "class_sorted": "an image_folder source stored in its own order (split shuffle_train: "
+                    "false): class by class",
+                    "split_of_class_sorted": "the class-sorted samples after the split stage's default "
+                    "(shuffle_train: true, seed 0): a seeded random order",
                 },
                 "seconds": seconds,
             },

@@ -5,6 +5,12 @@ the same seed gives the same split; selecting a different set of classes (source
 vs target classes of one dataset) leaves each shared class's split unchanged; the
 test samples do not move when ``val_fraction`` changes; and a smaller ``per_class``
 is a subset of a larger one (few-shot curves compare like with like).
+
+The train split is stored in a seeded random order (``shuffle_train``): a source that
+lists samples class by class (``image_folder`` walks one folder per class) would
+otherwise reach a cache class-sorted, and the cache reader, which shuffles chunks and
+samples within a window of chunks (large sequential reads for slow storage), would
+then feed batches of one or two classes. val and test keep the source's order.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import numpy as np
 
 from ..errors import DataError
 from .sampleset import SampleSet
+
+
+# Stream of the train order's permutation, apart from the per-class streams (seed, class).
+_TRAIN_ORDER_STREAM = 1 << 32
 
 
 def _count(fraction: float, n: int) -> int:
@@ -69,7 +79,7 @@ def _check_args(sets: dict[str, SampleSet], classes: list[int] | None, per_class
 
 def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_class: int | None,
                 val_fraction: float, test_fraction: float, seed: int,
-                use_official_test: bool) -> dict[str, SampleSet]:
+                use_official_test: bool, shuffle_train: bool = True) -> dict[str, SampleSet]:
     """Select classes, carve stratified val/test from ``train``, cap train per class.
 
     - ``classes`` (None = all) are relabelled 0..k-1 in the given order.
@@ -78,6 +88,7 @@ def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_cl
     - ``val``: ``val_fraction`` of each class of train (an official ``val`` split is
       used instead when present and ``use_official_test``); omitted if the fraction is 0.
     - ``train``: the rest, capped at ``per_class`` samples per class; val/test are not capped.
+      In a random order drawn from ``seed`` if ``shuffle_train``, else in the source's order.
     Each class keeps at least one train sample when it has any. No sample is in two splits.
     """
     order = _check_args(sets, classes, per_class, val_fraction, test_fraction)
@@ -110,6 +121,8 @@ def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_cl
     for split, parts in picked.items():
         if wanted[split]:
             idx = np.sort(np.concatenate(parts))
+            if split == "train" and shuffle_train:
+                idx = idx[np.random.default_rng([seed, _TRAIN_ORDER_STREAM]).permutation(len(idx))]
             out[split] = train.subset(idx, labels=remap[train.labels[idx]], class_names=names,
                                       name=f"{train.name}[{split}]")
     if official_val:

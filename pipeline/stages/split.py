@@ -23,6 +23,7 @@ class Split(Stage):
     """
 
     type_name: ClassVar[str] = "split"
+    version: ClassVar[int] = 2  # 2: train split in a seeded random order (shuffle_train)
     kind: ClassVar[str] = DATASET
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}
 
@@ -32,6 +33,11 @@ class Split(Stage):
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     use_official_test: bool = True
+    shuffle_train: bool = Field(
+        True,
+        description="store train in a seeded random order, so a class-by-class source (image_folder) "
+        "does not reach a cache class-sorted; false keeps the source's order",
+    )
     seed: int = 0
 
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> DatasetValue:
@@ -39,6 +45,7 @@ class Split(Stage):
         splits = make_splits(
             data.splits, classes=self.classes, per_class=self.per_class, val_fraction=self.val_fraction,
             test_fraction=self.test_fraction, seed=self.seed, use_official_test=self.use_official_test,
+            shuffle_train=self.shuffle_train,
         )
         for split_name, subset in splits.items():
             if split_name == "train" and len(subset) == 0:

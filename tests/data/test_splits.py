@@ -149,3 +149,19 @@ def test_never_a_sample_in_two_splits(counts: list[int], val: float, test: float
         assert (s.labels == sets["train"].labels[parent_indices(s)]).all()
     if per_class is not None:
         assert np.bincount(out["train"].labels, minlength=len(counts)).max(initial=0) <= per_class
+
+
+def test_train_is_stored_in_a_seeded_random_order() -> None:
+    sets = dataset([50, 30, 20])  # class-sorted, as an image_folder source lists its files
+    shuffled, kept = split(sets), split(sets, shuffle_train=False)
+    order, source = parent_indices(shuffled["train"]), parent_indices(kept["train"])
+    assert (np.diff(source) > 0).all()  # shuffle_train=False: the source's order
+    assert sorted(order) == source.tolist()  # same samples, no sample twice
+    assert not (np.diff(order) > 0).all()
+    # mixed classes: the first 20 stored samples are not all of one class
+    assert len(set(shuffled["train"].labels[:20].tolist())) == 3
+    assert (shuffled["train"].labels == sets["train"].labels[order]).all()
+    assert parent_indices(split(sets)["train"]).tolist() == order.tolist()  # deterministic
+    assert parent_indices(split(sets, seed=1)["train"]).tolist() != order.tolist()
+    for held_out in ("val", "test"):  # only train is reordered
+        assert parent_indices(shuffled[held_out]).tolist() == parent_indices(kept[held_out]).tolist()
