@@ -34,10 +34,11 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
     stop = threading.Event()
 
     def put(item: object) -> bool:
+        """Queue ``item``; False once the consumer has gone (the producer then stops)."""
         while not stop.is_set():
             try:
                 q.put(item, timeout=0.1)
-                return True
+                return not stop.is_set()
             except queue.Full:
                 continue
         return False
@@ -69,4 +70,11 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
             yield item  # type: ignore[misc]
     finally:
         stop.set()
+        # Empty the queue: a producer blocked on a full queue wakes now (not at its next
+        # timeout), sees ``stop`` and returns; it does not start another item.
+        while True:
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                break
         thread.join(timeout=5)
