@@ -66,7 +66,9 @@ class Spec:
             )
         return self.splits[name]
 
-    def with_fields(self, fields: Mapping[str, FieldSpec], splits: list[str] | None = None, **meta: Any) -> Spec:
+    def with_fields(
+        self, fields: Mapping[str, FieldSpec], splits: list[str] | None = None, **meta: Any
+    ) -> Spec:
         """A copy whose splits (all, or the named ones) carry ``fields``, with ``meta`` merged in."""
         new_splits = {
             name: SplitSpec(s.num_samples, dict(fields)) if splits is None or name in splits else s

@@ -1,4 +1,5 @@
-"""Where the store lives: --store, then the recipe's store.path, then $ONDEVICE_TL_STORE, then a per-user cache."""
+"""Where the store lives: --store, then the recipe's store.path, then $ONDEVICE_TL_STORE,
+then a per-user cache."""
 
 from __future__ import annotations
 

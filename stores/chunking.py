@@ -36,6 +36,7 @@ class ChunkedWriter:
     KIND = ""  # the container's name in messages: "zarr entry ...", "HDF5 writer for ..."
 
     chunk_samples: int
+    group_chunk_samples: dict[str, int]
     specs: dict[str, ArraySpec]
     groups: list[str]
     num_samples: dict[str, int]
@@ -45,18 +46,22 @@ class ChunkedWriter:
         where: Path,
         arrays: Mapping[str, ArraySpec],
         num_samples: int | Mapping[str, int],
-        chunk_samples: int,
+        chunk_samples: int | Mapping[str, int],
     ) -> None:
-        """Validate and record the arrays, their groups and per-group sample counts.
+        """Validate and record the arrays, their groups, per-group sample counts and chunk lengths.
 
-        ``where`` names the entry in every message of this writer.
+        ``chunk_samples`` is one chunk length for every group, or a mapping group -> chunk
+        length (each group's chunks sized for its own per-sample bytes). ``where`` names the
+        entry in every message of this writer.
         """
         self._where = where
-        if not isinstance(chunk_samples, int) or chunk_samples < 1:
-            raise EntryWriteError(f"chunk_samples must be a positive int, got {chunk_samples!r}")
+        lengths = chunk_samples.values() if isinstance(chunk_samples, Mapping) else [chunk_samples]
+        if not lengths or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in lengths):
+            raise EntryWriteError(
+                f"chunk_samples must be a positive int (or a mapping group -> int), got {chunk_samples!r}"
+            )
         if not arrays:
             raise EntryWriteError(f"no arrays declared for {self.KIND} entry {where}")
-        self.chunk_samples = chunk_samples
         self.specs = {check_array_name(name): spec for name, spec in arrays.items()}
         for name in self.specs:
             clash = [other for other in self.specs if other.startswith(name + "/")]
@@ -64,6 +69,23 @@ class ChunkedWriter:
                 raise EntryWriteError(f"array {name!r} cannot also be a group holding {clash} in {where}")
         self.groups = sorted({split_name(name)[0] for name in self.specs})
         self.num_samples = sample_counts(num_samples, self.groups, where)
+        if isinstance(chunk_samples, Mapping):
+            unknown = sorted(set(chunk_samples) - set(self.groups))
+            missing = sorted(set(self.groups) - set(chunk_samples))
+            if unknown or missing:
+                raise EntryWriteError(
+                    f"chunk_samples for {where} must give every group a chunk length: "
+                    f"missing {missing}, unknown {unknown}"
+                )
+            self.group_chunk_samples = {g: int(chunk_samples[g]) for g in self.groups}
+        else:
+            self.group_chunk_samples = dict.fromkeys(self.groups, chunk_samples)
+        # The largest chunk length (the only one when all groups share it): messages, memory bounds.
+        self.chunk_samples = max(self.group_chunk_samples.values())
+
+    def chunk_samples_of(self, name: str) -> int:
+        """Chunk length (samples) of array ``name``'s group."""
+        return self.group_chunk_samples[split_name(name)[0]]
 
     def _start_buffers(self) -> None:
         """Empty chunk buffers; each array continues after the samples :meth:`resume_samples` kept."""
@@ -164,7 +186,7 @@ class ChunkedWriter:
         return arr
 
     def _append(self, name: str, data: np.ndarray) -> None:
-        c = self.chunk_samples
+        c = self.chunk_samples_of(name)
         pos = 0
         if self._filled[name]:  # top up the pending chunk first
             take = min(c - self._filled[name], len(data))
@@ -185,7 +207,8 @@ class ChunkedWriter:
     def _buffer(self, name: str) -> np.ndarray:
         if name not in self._buffers:
             spec = self.specs[name]
-            self._buffers[name] = np.empty((self.chunk_samples, *spec.sample_shape), dtype=spec.dtype)
+            shape = (self.chunk_samples_of(name), *spec.sample_shape)
+            self._buffers[name] = np.empty(shape, dtype=spec.dtype)
         return self._buffers[name]
 
     def _flush(self, name: str) -> None:

@@ -208,7 +208,7 @@ def _metadata_docs(
     attrs: dict[str, Any],
     specs: Mapping[str, ArraySpec],
     num_samples: Mapping[str, int],
-    chunk_samples: int,
+    chunk_samples: Mapping[str, int],
     compressor: str,
     level: int,
     checksum: bool,
@@ -225,7 +225,7 @@ def _metadata_docs(
             name,
             shape=(num_samples[split_name(name)[0]], *spec.sample_shape),
             dtype=spec.dtype,
-            chunks=(chunk_samples, *spec.sample_shape),
+            chunks=(chunk_samples[split_name(name)[0]], *spec.sample_shape),
             serializer=BytesCodec(),
             compressors=_codecs(compressor, level, checksum, np.dtype(spec.dtype).itemsize),
             fill_value=0,
@@ -267,7 +267,7 @@ class ZarrWriter(ChunkedWriter):
         path: str | os.PathLike[str],
         arrays: Mapping[str, ArraySpec],
         num_samples: int | Mapping[str, int],
-        chunk_samples: int,
+        chunk_samples: int | Mapping[str, int],
         attrs: Mapping[str, Any] | None = None,
         compressor: Compressor = "zstd",
         level: int = 3,
@@ -290,7 +290,7 @@ class ZarrWriter(ChunkedWriter):
         except (TypeError, ValueError) as exc:
             raise EntryWriteError(f"attrs for zarr entry {self.path} are not JSON-able: {exc}") from None
         self._docs = _metadata_docs(
-            attrs_json, self.specs, self.num_samples, chunk_samples, compressor, level, checksum
+            attrs_json, self.specs, self.num_samples, self.group_chunk_samples, compressor, level, checksum
         )
         self.resumed = False
         self._resume_chunks = {g: 0 for g in self.groups}
@@ -399,7 +399,7 @@ class ZarrWriter(ChunkedWriter):
         """Keep the leading chunks valid in every array of each group; delete everything after them."""
         for group in self.groups:
             names = [n for n in sorted(self.specs) if split_name(n)[0] == group]
-            n, c = self.num_samples[group], self.chunk_samples
+            n, c = self.num_samples[group], self.group_chunk_samples[group]
             good = 0
             while good < -(-n // c) and all(
                 _check_chunk(self.path, name, self._arrays[name], good, n, c) is None for name in names
@@ -429,7 +429,7 @@ class ZarrWriter(ChunkedWriter):
     def resume_samples(self, group: str = "") -> int:
         """Leading samples of ``group`` already durably stored (0 for a fresh build); write from here."""
         group = self._known_group(group)
-        return min(self._resume_chunks[group] * self.chunk_samples, self.num_samples[group])
+        return min(self._resume_chunks[group] * self.group_chunk_samples[group], self.num_samples[group])
 
     def write_at(self, group: str, start: int, batch: Mapping[str, np.ndarray]) -> None:
         """Like :meth:`write`, for a batch whose first sample has absolute index ``start``.
@@ -474,7 +474,7 @@ class ZarrWriter(ChunkedWriter):
                     None,
                     str(self.path / name),
                     free_bytes(self.path),
-                    f"chunk {start // self.chunk_samples} of array {name!r}",
+                    f"chunk {start // self.chunk_samples_of(name)} of array {name!r}",
                 ) from exc
             raise
         self._written[name] = start + len(data)

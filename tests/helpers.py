@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,12 @@ def start_pipeline(
     stdout: int = subprocess.PIPE,
     start_new_session: bool = False,
 ) -> subprocess.Popen[str]:
-    """Start the recipe in the background (to interrupt it); stderr is piped, text mode."""
+    """Start the recipe in the background (to interrupt it); stderr is piped, text mode.
+
+    The child gets SIGINT's default action back: a shell without job control starts background jobs
+    (e.g. a test suite run with ``&``) with SIGINT ignored, and Python keeps an inherited SIG_IGN, so
+    Ctrl-C tests would otherwise see a run that never noticed the signal.
+    """
     return subprocess.Popen(
         run_argv(recipe, store, output, *extra),
         cwd=ROOT,
@@ -53,4 +59,9 @@ def start_pipeline(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=start_new_session,
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -169,7 +169,7 @@ def missing_chunk_files(zarr_dir: Path, layout: Layout) -> list[str]:
     missing = []
     for array in sorted(layout.arrays):
         split = array.split("/", 1)[0]
-        for index in range(-(-layout.counts[split] // layout.chunk_samples)):
+        for index in range(-(-layout.counts[split] // layout.chunk_samples[split])):
             key = reader.chunk_key(array, index)
             if not (zarr_dir / key).is_file():
                 missing.append(key)
@@ -226,16 +226,17 @@ def build_on_dask(
     with dask_client(executor, log) as client:
         nthreads = client.nthreads()
         threads = sum(nthreads.values())
-        per = executor.partition_chunks or align_partition_chunks(
-            auto_partition_chunks(layout.counts, layout.chunk_samples, threads),
-            layout.chunk_samples,
-            job.batch_period,
-        )
+        auto = auto_partition_chunks(layout.counts, layout.chunk_samples, threads)
+        per = {
+            split: executor.partition_chunks or align_partition_chunks(auto, chunk, job.batch_period)
+            for split, chunk in layout.chunk_samples.items()
+        }
         parts = plan_partitions(layout.counts, layout.chunk_samples, per)
         stats["partitions"] = len(parts)
         log(
-            f"building on Dask ({client.scheduler.address}): {len(parts)} partitions of at most {per} x "
-            f"{layout.chunk_samples}-sample chunks on {len(nthreads)} workers, {threads} threads"
+            f"building on Dask ({client.scheduler.address}): {len(parts)} partitions of at most "
+            f"{max(per.values(), default=0)} chunks (samples per chunk by split: {layout.chunk_samples}) "
+            f"on {len(nthreads)} workers, {threads} threads"
         )
         futures = {
             client.submit(

@@ -23,7 +23,7 @@ from typing import Any
 from stores.local import TEMP_MARKER
 from stores.zarr_entry import ArraySpec, ZarrWriter
 
-from ..ops.cache import SPEC_ATTR, chunk_samples_for, spec_to_json
+from ..ops.cache import SPEC_ATTR, chunk_samples_per_split, spec_to_json
 from ..spec import Spec
 
 META = "zarr.json"
@@ -35,7 +35,7 @@ class Layout:
 
     arrays: dict[str, ArraySpec]  # "split/field" -> per-sample shape and dtype
     counts: dict[str, int]  # split -> samples
-    chunk_samples: int
+    chunk_samples: dict[str, int]  # split -> samples per chunk (each split sized for its own samples)
     attrs: dict[str, Any]
     compressor: str
     level: int
@@ -52,7 +52,7 @@ def cache_layout(
             for name, f in s.fields.items()
         },
         counts={split: s.num_samples for split, s in spec.splits.items()},
-        chunk_samples=chunk_samples_for(spec, chunk_bytes),
+        chunk_samples=chunk_samples_per_split(spec, chunk_bytes),
         attrs={**attrs, SPEC_ATTR: spec_to_json(spec)},
         compressor=compressor,
         level=level,

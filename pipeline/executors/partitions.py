@@ -64,23 +64,36 @@ def num_chunks(samples: int, chunk_samples: int) -> int:
     return -(-samples // chunk_samples)
 
 
-def auto_partition_chunks(counts: Mapping[str, int], chunk_samples: int, threads: int) -> int:
+def per_split(value: int | Mapping[str, int], split: str) -> int:
+    """``value`` itself, or its entry for ``split`` when it is a mapping split -> int."""
+    return int(value[split]) if isinstance(value, Mapping) else int(value)
+
+
+def auto_partition_chunks(
+    counts: Mapping[str, int], chunk_samples: int | Mapping[str, int], threads: int
+) -> int:
     """Chunks per partition so the whole build makes about ``PARTITIONS_PER_THREAD`` x ``threads`` tasks."""
-    total = sum(num_chunks(n, chunk_samples) for n in counts.values())
+    total = sum(num_chunks(n, per_split(chunk_samples, split)) for split, n in counts.items())
     return max(1, -(-total // (PARTITIONS_PER_THREAD * max(1, threads))))
 
 
-def plan_partitions(counts: Mapping[str, int], chunk_samples: int, partition_chunks: int) -> list[Partition]:
-    """Every split (in ``counts`` order) cut into runs of ``partition_chunks`` chunks (none if empty)."""
-    if chunk_samples < 1 or partition_chunks < 1:
-        raise ValueError(
-            f"chunk_samples and partition_chunks must be >= 1, got {chunk_samples} and {partition_chunks}"
-        )
+def plan_partitions(
+    counts: Mapping[str, int],
+    chunk_samples: int | Mapping[str, int],
+    partition_chunks: int | Mapping[str, int],
+) -> list[Partition]:
+    """Every split (in ``counts`` order) cut into runs of ``partition_chunks`` chunks (none if empty).
+
+    Either argument may be one value for every split or a mapping split -> value.
+    """
     out = []
     for split, samples in counts.items():
-        chunks = num_chunks(samples, chunk_samples)
-        for first in range(0, chunks, partition_chunks):
-            out.append(Partition(split, first, min(first + partition_chunks, chunks), chunk_samples, samples))
+        chunk, run = per_split(chunk_samples, split), per_split(partition_chunks, split)
+        if chunk < 1 or run < 1:
+            raise ValueError(f"chunk_samples and partition_chunks must be >= 1, got {chunk} and {run}")
+        chunks = num_chunks(samples, chunk)
+        for first in range(0, chunks, run):
+            out.append(Partition(split, first, min(first + run, chunks), chunk, samples))
     return out
 
 

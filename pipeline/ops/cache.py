@@ -69,10 +69,27 @@ def spec_from_json(data: dict[str, Any]) -> Spec:
 
 
 def chunk_samples_for(spec: Spec, chunk_bytes: int) -> int:
-    """Samples per chunk so the largest split's chunks are about ``chunk_bytes``."""
+    """Samples per chunk so the largest split's chunks are about ``chunk_bytes`` (one length for all).
+
+    The HDF5 layout (one chunk length per file); zarr entries use :func:`chunk_samples_per_split`.
+    """
     per_sample = max(s.sample_bytes() for s in spec.splits.values()) or 1
     most = max(s.num_samples for s in spec.splits.values()) or 1
     return int(max(1, min(most, chunk_bytes // per_sample)))
+
+
+def chunk_samples_per_split(spec: Spec, chunk_bytes: int) -> dict[str, int]:
+    """Samples per chunk of each split, so each split's chunks are about ``chunk_bytes`` of its own samples.
+
+    A 2-bit train split next to float16 eval splits has ~6x smaller samples: sized by the
+    largest split, its chunks would be ~1/6 of ``chunk_bytes`` and an epoch would pay the
+    per-chunk costs (one file per array, a crc32c, a decompressor call, a queue hand-over)
+    ~6x as often. Capped by the split's own sample count (at least 1).
+    """
+    return {
+        name: int(max(1, min(s.num_samples or 1, chunk_bytes // (s.sample_bytes() or 1))))
+        for name, s in spec.splits.items()
+    }
 
 
 class _BackgroundWriter:
@@ -134,7 +151,10 @@ def write_stream(
     copied, still compressed, into a fresh file: see :mod:`stores.h5_entry`).
     """
     spec = stream.spec
-    chunk = chunk_samples_for(spec, chunk_bytes)
+    # zarr: each split's chunks sized for its own samples; HDF5: one chunk length (H5Writer's layout).
+    chunk: int | dict[str, int] = (
+        chunk_samples_for(spec, chunk_bytes) if fmt == "hdf5" else chunk_samples_per_split(spec, chunk_bytes)
+    )
     arrays = {
         f"{split}/{name}": ArraySpec(tuple(f.shape), f.dtype)
         for split, s in spec.splits.items()

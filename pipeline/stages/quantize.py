@@ -58,7 +58,9 @@ class Quantize(Stage):
 
     input: str
     bits: Literal[1, 2, 4, 8, 16, 32] = 8
-    k: float = Field(1, gt=0, description="clip at the k-th smallest/largest value per channel (k<1: fraction)")
+    k: float = Field(
+        1, gt=0, description="clip at the k-th smallest/largest value per channel (k<1: fraction)"
+    )
     splits: tuple[str, ...] = Field(("train",), description="splits to quantize; others use eval_bits")
     eval_bits: Literal[16, 32] = 16
 

@@ -48,7 +48,8 @@ class Rechunk(_OpStage):
     drop_last: bool = False
 
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> OpStream:
-        return OpStream(inputs["input"], lambda it, *_: rechunk(it, self.batch_size, drop_last=self.drop_last))
+        size, drop_last = self.batch_size, self.drop_last
+        return OpStream(inputs["input"], lambda it, *_: rechunk(it, size, drop_last=drop_last))
 
 
 @register
