@@ -163,6 +163,10 @@ class H5Writer(ChunkedWriter):
         if compressor == "gzip" and (not isinstance(level, int) or not 0 <= level <= 9):
             raise EntryWriteError(f"gzip level must be in [0, 9], got {level!r}")
         self._declare(self.file, arrays, num_samples, chunk_samples)
+        if len(set(self.group_chunk_samples.values())) > 1:  # datasets and row log use self.chunk_samples
+            raise EntryWriteError(
+                f"HDF5 entry {self.file} has one chunk length for every group; got {self.group_chunk_samples}"
+            )
         try:
             attrs_json = json.dumps(dict(attrs or {}), allow_nan=False, sort_keys=True)
         except (TypeError, ValueError) as exc:

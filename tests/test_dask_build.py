@@ -273,3 +273,17 @@ def test_partitions_cover_every_chunk_once() -> None:
         assert sum(p.num_samples for p in mine) == n
         assert all(p.start % 10 == 0 for p in mine)
     assert json.dumps([p.describe() for p in parts])  # plain text for progress and errors
+
+
+def test_partitions_with_a_chunk_length_per_split() -> None:
+    counts = {"train": 1001, "val": 37}
+    chunks = {"train": 100, "val": 6}
+    parts = plan_partitions(counts, chunk_samples=chunks, partition_chunks={"train": 4, "val": 2})
+    for split, n in counts.items():
+        mine = [p for p in parts if p.split == split]
+        assert [i for p in mine for i in range(p.first_chunk, p.stop_chunk)] == list(
+            range(-(-n // chunks[split]))
+        )
+        assert sum(p.num_samples for p in mine) == n
+        assert all(p.start % chunks[split] == 0 for p in mine)
+    assert [p.stop_chunk - p.first_chunk for p in parts if p.split == "val"] == [2, 2, 2, 1]

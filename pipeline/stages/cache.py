@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from ..errors import StageError
 from ..fingerprint import is_cacheable
-from ..ops.cache import StoredStream, chunk_samples_for, chunk_samples_per_split, write_stream
+from ..ops.cache import StoredStream, write_stream
 from ..registry import register
 from ..spec import STREAM, Spec
 from ..stage import Stage
@@ -137,9 +137,3 @@ class Cache(Stage):
             throttle=self.read_through,
             prefetch_max_bytes=self.prefetch_max_bytes,
         )
-
-    def chunk_samples(self, spec: Spec) -> dict[str, int]:
-        """Samples per chunk of each split, as :func:`write_stream` lays them out for this stage's format."""
-        if self.format == "hdf5":
-            return dict.fromkeys(spec.splits, chunk_samples_for(spec, self.chunk_bytes))
-        return chunk_samples_per_split(spec, self.chunk_bytes)

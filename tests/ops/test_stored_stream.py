@@ -258,3 +258,62 @@ def test_unusable_hdf5_leftover_is_logged_and_rebuilt(tmp_path: Path, h5_entry: 
         )
     assert info["resumed_samples"] == 0 and any("starting over" in line for line in logged)
     assert sha(tmp_path / H5_FILE) == sha(h5_entry / H5_FILE)
+
+
+# ------------------------------------------------------------------------- per-split chunk lengths
+
+
+class PackedTrain(Stream):
+    """A 2-bit-cache-like stream: small packed train samples, wide float16 val samples."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        train = {"codes": FieldSpec((6,), "uint8"), "id": FieldSpec((), "int64")}
+        val = {"x": FieldSpec((12, 8), "float16"), "id": FieldSpec((), "int64")}
+        self.spec = Spec(
+            STREAM, 10, {"train": SplitSpec(counts["train"], train), "val": SplitSpec(counts["val"], val)}, {}
+        )
+        self.stats = StreamStats()
+        self.counts = counts
+
+    def open(
+        self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
+        for lo in range(start, self.counts[split], 9):
+            ids = torch.arange(lo, min(lo + 9, self.counts[split]))
+            if split == "train":
+                yield {"codes": (ids[:, None] + torch.arange(6)).to(torch.uint8), "id": ids}
+            else:
+                yield {"x": (ids[:, None, None] * 0.5 + torch.zeros(12, 8)).to(torch.float16), "id": ids}
+
+
+def test_each_split_gets_chunks_of_about_chunk_bytes(tmp_path: Path) -> None:
+    counts = {"train": 500, "val": 60}
+    stream = PackedTrain(counts)
+    chunk_bytes = 1000
+    write_stream(stream, tmp_path, chunk_bytes=chunk_bytes, compressor="zstd", level=3, attrs={})
+    reader = StoredStream(tmp_path).reader
+    for split, s in stream.spec.splits.items():  # train: 14 B/sample -> 71; val: 200 B/sample -> 5
+        assert reader.chunk_samples(split) == chunk_bytes // s.sample_bytes()
+    assert reader.chunk_samples("train") > 10 * reader.chunk_samples("val")
+    stored = StoredStream(tmp_path)
+    for split, n in counts.items():
+        assert read_all(stored, split)["id"].tolist() == list(range(n))
+        # resuming mid-chunk: every sample from ``start`` on, exactly once
+        assert read_all(stored, split, start=n // 3)["id"].tolist() == list(range(n // 3, n))
+        shuffled = read_all(stored, split, shuffle=True, epoch=1)["id"]
+        assert sorted(shuffled.tolist()) == list(range(n))
+
+
+def test_hdf5_keeps_one_chunk_length(tmp_path: Path) -> None:
+    write_stream(
+        PackedTrain({"train": 100, "val": 20}),
+        tmp_path,
+        chunk_bytes=1000,
+        compressor="gzip",
+        level=4,
+        attrs={},
+        fmt="hdf5",
+    )
+    reader = StoredStream(tmp_path).reader
+    assert reader.chunk_samples("train") == reader.chunk_samples("val") == 5  # sized by the widest split
+

@@ -198,3 +198,8 @@ def _child_reads(reader: H5Reader, conn: object) -> None:
     parent_handle = id(reader._handle)
     labels = reader.read_chunk("train", 1)["labels"]
     conn.send((parent_handle, id(reader._handle), labels))  # type: ignore[attr-defined]
+
+
+def test_one_chunk_length_for_every_group(tmp_path: Path) -> None:
+    with pytest.raises(EntryWriteError, match="one chunk length for every group"):
+        H5Writer(tmp_path / "e", SPECS, {"train": 8, "val": 8}, {"train": 4, "val": 2})

@@ -111,3 +111,22 @@ def test_writer_memory_does_not_grow_with_samples(tmp_path: Path) -> None:
 def test_suggest_chunk_samples() -> None:
     assert suggest_chunk_samples([ArraySpec((256, 16, 16), "uint8"), ArraySpec((), "int64")]) == 16
     assert suggest_chunk_samples([ArraySpec((4096, 4096), "float32")]) == 1
+
+
+def test_each_group_can_have_its_own_chunk_length(tmp_path: Path) -> None:
+    # A 2-bit train split beside float16 eval splits: each group's chunks sized for its own samples.
+    chunks = {"train": 7, "val": 3}
+    data = entry_checks.write_entry(ZarrWriter, tmp_path / "e", {"train": 30, "val": 10}, chunks, 4)
+    reader = ZarrReader(tmp_path / "e")
+    assert {g: reader.chunk_samples(g) for g in chunks} == chunks
+    assert (reader.num_chunks("train"), reader.num_chunks("val")) == (5, 4)
+    for name, expected in data.items():
+        np.testing.assert_array_equal(reader.read(*name.split("/")), expected)
+    stock = zarr.open_group(str(tmp_path / "e"), mode="r")
+    assert stock["train/codes"].chunks == (7, 2, 3) and stock["val/features"].chunks == (3, 5)
+
+
+@pytest.mark.parametrize("chunks", [{"train": 4}, {"train": 4, "val": 4, "test": 4}, {"train": 0, "val": 4}])
+def test_a_chunk_length_per_group_must_name_each_group_once(tmp_path: Path, chunks: dict[str, int]) -> None:
+    with pytest.raises(EntryWriteError, match="chunk"):
+        ZarrWriter(tmp_path / "e", SPECS, {"train": 8, "val": 8}, chunks)
