@@ -52,7 +52,7 @@ class Finetune(Stage):
     type_name: ClassVar[str] = "finetune"
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"memory_report"})
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"memory_report", "prefetch"})
 
     model: str
     images: str | None = Field(None, description="image stream (single_stage)")
@@ -65,6 +65,8 @@ class Finetune(Stage):
     method: MethodConfig = Field(DEFAULT_METHOD, description="vanilla | ft_full | ft_last | ft_norm_last | "
                                  "mobiletl {variant} | tinytl {mode}: how the top trains")
     memory_report: bool = Field(True, description="meter one training step and log the footprint")
+    prefetch: int = Field(2, ge=0, description="training batches prepared on a background thread, running on "
+                          "into the next epoch while one ends (0: prepared on the training thread)")
     seed: int = 0
 
     @field_validator("method", mode="before")
@@ -204,7 +206,7 @@ class Finetune(Stage):
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
         result = train(trained, params, train_batches, eval_batches, self.train, checkpoint_dir=out_dir,
-                       on_epoch=on_epoch, steps_per_epoch=steps)
+                       on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch)
         # Report the test accuracy of the checkpoint chosen on validation data.
         state, _ = load_weights(out_dir / "best.pt")
         trained.load_state_dict(state)

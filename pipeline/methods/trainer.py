@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,6 +20,7 @@ from pydantic import BaseModel, Field, model_validator
 from ..errors import DataError, ModelError
 from ..lazy import lazy_module
 from ..models.weights import save_weights
+from ..ops.prefetch import EpochPrefetch
 
 if TYPE_CHECKING:
     import torch
@@ -156,7 +158,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
           on_epoch: Callable[[dict[str, Any]], None] | None = None,
           progress: Callable[[dict[str, Any]], None] | None = None,
           train_mode: Callable[[nn.Module], None] | None = None,
-          steps_per_epoch: int | None = None) -> TrainResult:
+          steps_per_epoch: int | None = None, read_ahead: int = 0) -> TrainResult:
     """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
 
     ``train_mode(model)`` is called before each training pass (default ``model.train()``)
@@ -165,6 +167,9 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     have no len) the first epoch uses its midpoint lr and later epochs the first epoch's
     step count. RNG state is forked: dropout is reproducible by ``cfg.seed`` and the
     caller's RNG is untouched. ``progress`` gets ``{epoch, step, samples, loss, lr}`` per step.
+    ``read_ahead`` > 0 prepares that many training batches on a background thread, running on
+    into the next epoch while this one ends and is evaluated (:class:`EpochPrefetch`); then
+    ``train_batches`` must not depend on the model's state, and sees its epochs in order.
     Records have val_* keys only when ``eval_batches`` is given. ``best.pt`` (highest val
     acc; the last epoch without eval) and ``last.pt`` hold the model's state_dict in
     ``save_weights`` format.
@@ -179,7 +184,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     opt = make_optimizer(params, cfg)
     result = TrainResult()
     t_start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
+    ahead = EpochPrefetch(train_batches, cfg.epochs, read_ahead, name="train-batches") if read_ahead else None
+    with torch.random.fork_rng(devices=[]), (closing(ahead) if ahead is not None else nullcontext()):
         torch.manual_seed(cfg.seed)
         for epoch in range(cfg.epochs):
             if train_mode is None:
@@ -187,7 +193,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
             else:
                 train_mode(model)
             t0 = time.perf_counter()
-            batches = train_batches(epoch)
+            batches = ahead.epoch(epoch) if ahead is not None else train_batches(epoch)
             ep = _train_epoch(model, batches, opt, params, cfg, epoch,
                               steps_per_epoch or _steps_hint(batches), progress)
             steps_per_epoch = steps_per_epoch or ep.steps

@@ -6,7 +6,16 @@ unless its job is to reorder (``shuffle``).
 """
 
 from .batching import Batch, batch_size_of, concat, rechunk, split_batch
-from .prefetch import prefetch
+from .prefetch import EpochPrefetch, prefetch
 from .shuffle import window_shuffle
 
-__all__ = ["Batch", "batch_size_of", "concat", "rechunk", "split_batch", "prefetch", "window_shuffle"]
+__all__ = [
+    "Batch",
+    "EpochPrefetch",
+    "batch_size_of",
+    "concat",
+    "rechunk",
+    "split_batch",
+    "prefetch",
+    "window_shuffle",
+]

@@ -7,13 +7,16 @@ exception, Ctrl-C) stops the thread instead of leaving it blocked on a full queu
 Prefetches chain: ``prefetch(decode(prefetch(fetch(...))))`` runs storage reads and
 decoding on two threads, each stage bounded by its own queue, and stopping the outer
 one stops the inner one.
+
+:class:`EpochPrefetch` runs one prefetch through a trainer's successive epochs, so the
+next epoch's first batches are prepared while the current one ends.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -78,3 +81,64 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
             except queue.Empty:
                 break
         thread.join(timeout=5)
+
+
+_END_OF_EPOCH = object()
+
+
+def _epochs(open_epoch: Callable[[int], Iterable[T]], epochs: int) -> Iterator[object]:
+    """Every epoch's items in turn, each epoch followed by an end marker."""
+    for epoch in range(epochs):
+        items = open_epoch(epoch)
+        try:
+            yield from items
+        finally:
+            close = getattr(items, "close", None)  # stops the epoch's own reader threads
+            if close is not None:
+                close()
+        yield _END_OF_EPOCH
+
+
+class EpochPrefetch:
+    """A trainer's epochs of batches from one background thread that runs across epoch ends.
+
+    ``open_epoch(e)`` gives epoch ``e``'s batches; opening, reading, decoding and augmenting
+    all run on the thread. As soon as epoch ``e``'s last batch is queued the thread opens
+    ``e + 1``, so its first batches (often the slowest: a shuffle window has to fill first)
+    are ready while the trainer works through ``e``'s last ``depth`` batches and evaluates.
+    At most ``depth`` batches wait at any time, across the boundary too. Epochs are taken in
+    order, each to its end; leaving one early, an error, or :meth:`close` stops the thread.
+    ``depth`` 0 opens each epoch when it is asked for, on the caller's thread.
+    """
+
+    def __init__(
+        self, open_epoch: Callable[[int], Iterable[T]], epochs: int, depth: int, *, name: str = "epochs"
+    ) -> None:
+        self._items = prefetch(_epochs(open_epoch, epochs), depth, name=name)
+        self._next = 0
+        self._epochs = epochs
+
+    def epoch(self, epoch: int) -> Iterator[T]:
+        if epoch != self._next or epoch >= self._epochs:
+            raise ValueError(
+                f"epochs are prefetched in order, 0 to {self._epochs - 1}: asked for epoch {epoch}, "
+                f"next is {self._next}"
+            )
+        self._next += 1
+        return self._take()
+
+    def _take(self) -> Iterator[T]:
+        finished = False
+        try:
+            for item in self._items:  # a ``for`` that returns early leaves the prefetch running
+                if item is _END_OF_EPOCH:
+                    finished = True
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            if not finished:  # the rest of the epoch would be the next epoch's start
+                self.close()
+
+    def close(self) -> None:
+        """Stop the background thread (and the open epoch's readers); idempotent."""
+        self._items.close()  # type: ignore[attr-defined]

@@ -214,3 +214,13 @@ def test_trains_the_top_of_a_split_backbone(tmp_path: Path) -> None:
     assert state_dict_hash(bottom) == bottom_hash
     best, _ = load_weights(tmp_path / "best.pt")
     assert set(best) <= set(net.state_dict())  # top checkpoints load back into the full net
+
+
+def test_batches_read_ahead_train_the_same_model(tmp_path: Path) -> None:
+    """Preparing batches on a thread, across epoch ends, changes nothing the model sees."""
+    results = []
+    for read_ahead in (0, 2):
+        model = linear_model()
+        result = run(model, TrainConfig(epochs=3, seed=1), None, read_ahead=read_ahead)
+        results.append((state_dict_hash(model), [h["train_loss"] for h in result.history]))
+    assert results[0] == results[1]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.ops import concat, prefetch, rechunk, window_shuffle
+from pipeline.ops import EpochPrefetch, concat, prefetch, rechunk, window_shuffle
 
 
 def make_batches(sizes: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -141,3 +143,106 @@ def test_prefetch_bounded_and_stops_when_abandoned() -> None:
     it.close()  # consumer walks away: the thread must not keep producing or hang
     assert len(produced) <= 3 + 2
     assert not any(t.name == "prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+# ------------------------------------------------------------------------- epochs read ahead
+
+
+class Epochs:
+    """``open_epoch`` for EpochPrefetch that records which epochs were opened and closed."""
+
+    def __init__(self, sizes: list[int], fail_at: tuple[int, int] | None = None) -> None:
+        self.sizes = sizes
+        self.fail_at = fail_at
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+        self.produced = 0
+
+    def __call__(self, epoch: int) -> Iterator[tuple[int, int]]:
+        self.opened.append(epoch)
+        try:
+            for i in range(self.sizes[epoch]):
+                if (epoch, i) == self.fail_at:
+                    raise OSError(f"chunk of epoch {epoch} unreadable")
+                self.produced += 1
+                yield epoch, i
+        finally:
+            self.closed.append(epoch)
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def epoch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "epochs" and t.is_alive()]
+
+
+@settings(deadline=None, max_examples=25)
+@given(sizes=st.lists(st.integers(0, 7), min_size=1, max_size=5), depth=st.integers(0, 3))
+def test_epoch_prefetch_gives_each_epoch_its_items_in_order(sizes: list[int], depth: int) -> None:
+    epochs = Epochs(sizes)
+    ahead = EpochPrefetch(epochs, len(sizes), depth)
+    for e, n in enumerate(sizes):
+        assert list(ahead.epoch(e)) == [(e, i) for i in range(n)]
+    ahead.close()
+    assert epochs.opened == epochs.closed == list(range(len(sizes)))
+    wait_for(lambda: not epoch_threads())
+
+
+def test_epoch_prefetch_opens_the_next_epoch_before_it_is_asked_for() -> None:
+    epochs = Epochs([5, 5, 5])
+    ahead = EpochPrefetch(epochs, 3, depth=2)
+    assert len(list(ahead.epoch(0))) == 5
+    # the trainer now evaluates; meanwhile epoch 1 is opened and its first batches prepared
+    wait_for(lambda: epochs.produced == 5 + 3)  # ``depth`` batches queued, one more waiting to be
+    assert epochs.opened == [0, 1] and epochs.closed == [0]
+    time.sleep(0.05)
+    assert epochs.produced == 5 + 3  # and no further: the bound holds across the boundary too
+    assert list(ahead.epoch(1)) == [(1, i) for i in range(5)]
+    ahead.close()
+    assert epochs.closed == epochs.opened  # the epoch read ahead is closed too
+    wait_for(lambda: not epoch_threads())
+
+
+def test_epoch_prefetch_with_depth_zero_opens_epochs_when_asked() -> None:
+    epochs = Epochs([3, 3])
+    ahead = EpochPrefetch(epochs, 2, depth=0)
+    assert list(ahead.epoch(0)) == [(0, 0), (0, 1), (0, 2)]
+    assert epochs.opened == [0] and not epoch_threads()
+
+
+def test_leaving_an_epoch_early_stops_the_thread_and_closes_the_epoch() -> None:
+    epochs = Epochs([50, 50])
+    ahead = EpochPrefetch(epochs, 2, depth=2)
+    batches = ahead.epoch(0)
+    assert next(batches) == (0, 0)
+    batches.close()  # e.g. an exception in the training step
+    wait_for(lambda: not epoch_threads())
+    assert epochs.closed == [0] and epochs.produced <= 1 + 2 + 1
+    with pytest.raises(ValueError, match="asked for epoch 0, next is 1"):
+        ahead.epoch(0)
+
+
+def test_epoch_prefetch_reraises_a_failing_epoch_in_the_consumer() -> None:
+    ahead = EpochPrefetch(Epochs([4, 4], fail_at=(1, 2)), 2, depth=3)
+    assert len(list(ahead.epoch(0))) == 4
+    batches = ahead.epoch(1)
+    assert [next(batches), next(batches)] == [(1, 0), (1, 1)]
+    with pytest.raises(OSError, match="chunk of epoch 1 unreadable"):
+        next(batches)
+    wait_for(lambda: not epoch_threads())
+
+
+def test_epoch_prefetch_rejects_epochs_out_of_order() -> None:
+    ahead = EpochPrefetch(Epochs([1, 1]), 2, depth=1)
+    with pytest.raises(ValueError, match="asked for epoch 1, next is 0"):
+        ahead.epoch(1)
+    list(ahead.epoch(0))
+    list(ahead.epoch(1))
+    with pytest.raises(ValueError, match="0 to 1: asked for epoch 2"):
+        ahead.epoch(2)
+    ahead.close()
