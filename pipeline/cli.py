@@ -22,6 +22,7 @@ from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
 from .errors import PipelineError, missing_dependency
+from .heap import keep_freed_heap, keep_freed_heap_requested
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -250,6 +251,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if keep_freed_heap_requested() and not keep_freed_heap():  # before any torch work
+        print("warning: ONDEVICE_TL_KEEP_HEAP=1 needs Linux with glibc; ignored", file=sys.stderr)
     try:
         if args.command not in RECIPE_ONLY_COMMANDS:
             _check_runtime()

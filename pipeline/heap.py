@@ -1,0 +1,51 @@
+"""Optionally keep freed memory in the process heap (glibc), so torch's large CPU buffers are reused.
+
+glibc serves every allocation above its mmap threshold (dynamic, at most 32 MiB on 64-bit)
+with a fresh ``mmap`` and gives it back with ``munmap`` when freed. A frozen MobileNetV2
+forward on 32 images at 224 px allocates activations of 50-150 MiB per layer, so every batch
+maps about 2 GB anew and the kernel zero-fills it page by page: about 490k minor page faults
+per batch, which on a virtual machine cost as much CPU time as the convolutions (profiled in
+issue 2). With mmap'd allocations and heap trimming off, freed blocks stay in the heap and
+the next batch reuses them: no faults.
+
+The price is that the heap never shrinks: the resident size stays at its peak (which a
+training loop reaches anyway in every batch) and a fragmented heap can hold a little more.
+That is a trade for the user to make, so it is opt-in: ``ONDEVICE_TL_KEEP_HEAP=1``.
+``python -m benchmarks.bench_heap`` measures what it buys on a given machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+ENV = "ONDEVICE_TL_KEEP_HEAP"
+# mallopt parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+
+
+def keep_freed_heap_requested() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+def keep_freed_heap() -> bool:
+    """Turn off mmap'd allocations and heap trimming; True if applied (Linux with glibc only).
+
+    Call it before the first large allocation: blocks mapped earlier are still unmapped on free.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # trim threshold: the largest int (never trim); mmap max 0: every block comes from the heap
+    return bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(M_MMAP_MAX, 0))

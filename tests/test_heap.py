@@ -1,0 +1,48 @@
+"""keep_freed_heap(): freed large buffers are reused from the heap instead of re-mapped (page faults)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run the CLI (which applies the setting when ONDEVICE_TL_KEEP_HEAP=1), then allocate and free a
+# 64 MiB buffer (above glibc's largest mmap threshold) five times after a warm-up one; print the
+# minor page faults of the five.
+SCRIPT = """
+import contextlib, io, resource
+import numpy as np
+from pipeline.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["stages"]) == 0
+np.ones(64 << 20, np.uint8)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    buffer = np.ones(64 << 20, np.uint8)
+    del buffer
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def faults(keep: str | None) -> int:
+    env = {
+        k: v for k, v in os.environ.items() if k != "ONDEVICE_TL_KEEP_HEAP" and not k.startswith("MALLOC_")
+    }
+    if keep is not None:
+        env["ONDEVICE_TL_KEEP_HEAP"] = keep
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_asked_for_the_cli_keeps_freed_buffers_in_the_heap() -> None:
+    default, off, kept = faults(None), faults("0"), faults("1")
+    assert default > 0 and off > 0  # every buffer is mapped and faulted in anew
+    assert kept * 10 < min(default, off), (kept, default, off)
