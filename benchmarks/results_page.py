@@ -309,6 +309,7 @@ def render_cache_reuse_epoch_time(result: Result) -> Rendered:
             "cache build img/s",
             "bare forward img/s",
             "build / bare",
+            "paired median",
             "cache size",
         ],
         [
@@ -324,6 +325,7 @@ def render_cache_reuse_epoch_time(result: Result) -> Rendered:
                 num(r.get("cache_build_images_per_s")),
                 num(r.get("bare_forward_images_per_s")),
                 times(r.get("build_over_bare_forward")),
+                times(r.get("build_over_bare_forward_median")),
                 nbytes(r.get("cache_bytes")),
             ]
             for r in rows
@@ -353,7 +355,8 @@ def render_cache_reuse_epoch_time(result: Result) -> Rendered:
         f"{span(ratios, times)} the compute limit"
     )
     return Rendered(
-        title="Cache & Reuse: epoch time, single-stage vs two-stage vs compute limit",
+        title="Cache & Reuse: epoch time, single-stage vs two-stage vs compute limit"
+        + (f" ({settings['malloc']})" if "keep_freed_heap" in settings.get("malloc", "") else ""),
         headline=headline,
         body=body,
         figures=[("epoch_seconds", "Seconds per epoch (log scale)", fig)],
@@ -1289,6 +1292,7 @@ def render_neuroflux(result: Result) -> Rendered:
 
 RENDERERS: dict[str, Callable[..., Rendered]] = {
     "cache_reuse_epoch_time": render_cache_reuse_epoch_time,
+    "cache_reuse_epoch_time_keep_heap": render_cache_reuse_epoch_time,
     "cache_reuse_fashion_table4": render_cache_reuse_fashion_table4,
     "codec": render_codec,
     "dask_build": render_dask_build,
