@@ -54,8 +54,8 @@ def forward(x):
 fwd_s, fwd_faults = per_batch(forward, x)
 
 low, top = split_at(build_backbone("mobilenet_v2", 10), 7)
-with torch.inference_mode():
-    feats = low.eval()(x).clone()
+with torch.no_grad():  # not inference_mode: the features are saved for the top's backward
+    feats = low.eval()(x)
 labels = torch.randint(0, 10, (32,))
 opt = torch.optim.AdamW(top.parameters(), lr=1e-3)
 loss_fn = torch.nn.CrossEntropyLoss()
@@ -80,8 +80,9 @@ def probe(setting: str, batches: int) -> dict:
         capture_output=True,
         text=True,
         env=env,
-        check=True,
     )
+    if out.returncode != 0:
+        raise SystemExit(f"bench_heap: the {setting} probe failed (exit {out.returncode}):\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -61,7 +61,8 @@ class ExecutorConfig(BaseModel):
         2, ge=0, description="dask: times a failed partition is retried before the build fails"
     )
     partition_chunks: int | None = Field(
-        None, ge=1, description="dask: cache chunks per task; default about 4 partitions per worker thread"
+        None, ge=1, description="dask: cache chunks per task, in every split; default: about 4 partitions "
+        "per worker thread, of about the same number of samples"
     )
     connect_timeout: float = Field(
         10.0, gt=0, description="dask: seconds to wait for the scheduler at address"

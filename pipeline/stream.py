@@ -8,9 +8,10 @@ batches does. Each stream times its own work, so a run can say where time went.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .ops.batching import Batch, batch_size_of
 from .spec import Spec
@@ -21,11 +22,15 @@ class StreamStats:
     seconds: float = 0.0
     samples: int = 0
     batches: int = 0
+    # Several opens of one stream can run at once on reader threads (a training epoch read
+    # ahead while the validation split is evaluated): their updates must not be lost.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, seconds: float, samples: int) -> None:
-        self.seconds += seconds
-        self.samples += samples
-        self.batches += 1
+    def add(self, seconds: float, samples: int = 0, batches: int = 1) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.samples += samples
+            self.batches += batches
 
 
 class Stream:
@@ -53,7 +58,9 @@ BatchFn = Callable[[Batch, str, int, int], Batch]
 class MapStream(Stream):
     """Applies ``fn(batch, split, epoch, seed)`` to every batch of ``parent`` (of the given splits)."""
 
-    def __init__(self, parent: Stream, fn: BatchFn, spec: Spec, splits: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, parent: Stream, fn: BatchFn, spec: Spec, splits: tuple[str, ...] | None = None
+    ) -> None:
         self.parent = parent
         self.fn = fn
         self.spec = spec

@@ -30,7 +30,12 @@ from pipeline.context import RunContext
 from pipeline.errors import RecipeError, StageError
 from pipeline.executors import ExecutorError, WorkerStoreError
 from pipeline.executors.dask_build import start_local_cluster
-from pipeline.executors.partitions import Partition, plan_partitions
+from pipeline.executors.partitions import (
+    PARTITIONS_PER_THREAD,
+    Partition,
+    auto_partition_chunks,
+    plan_partitions,
+)
 from pipeline.executors.worker import BuildJob, build_partition
 from pipeline.recipe import Recipe, recipe_from_dict
 from pipeline.runner import Runner
@@ -287,3 +292,14 @@ def test_partitions_with_a_chunk_length_per_split() -> None:
         assert sum(p.num_samples for p in mine) == n
         assert all(p.start % chunks[split] == 0 for p in mine)
     assert [p.stop_chunk - p.first_chunk for p in parts if p.split == "val"] == [2, 2, 2, 1]
+
+
+def test_automatic_partitions_hold_about_the_same_samples_in_every_split() -> None:
+    counts = {"train": 2000, "val": 250, "test": 250}
+    chunks = {"train": 128, "val": 16, "test": 16}  # a 2-bit train split beside float16 val/test
+    per = auto_partition_chunks(counts, chunks, threads=4)
+    parts = plan_partitions(counts, chunks, per)
+    sizes = [p.num_samples for p in parts if p.stop < p.split_samples]  # all but each split's last
+    assert max(sizes) <= 2 * min(sizes)  # not 8x, as with the same chunk count in every split
+    assert PARTITIONS_PER_THREAD * 4 * 0.5 <= len(parts) <= PARTITIONS_PER_THREAD * 4 * 2
+    assert auto_partition_chunks({"train": 10}, 100, threads=8) == {"train": 1}

@@ -22,7 +22,6 @@ import numpy as np
 from ..errors import DataError
 from .sampleset import SampleSet
 
-
 # Stream of the train order's permutation, apart from the per-class streams (seed, class).
 _TRAIN_ORDER_STREAM = 1 << 32
 

@@ -228,7 +228,7 @@ def build_on_dask(
         threads = sum(nthreads.values())
         auto = auto_partition_chunks(layout.counts, layout.chunk_samples, threads)
         per = {
-            split: executor.partition_chunks or align_partition_chunks(auto, chunk, job.batch_period)
+            split: executor.partition_chunks or align_partition_chunks(auto[split], chunk, job.batch_period)
             for split, chunk in layout.chunk_samples.items()
         }
         parts = plan_partitions(layout.counts, layout.chunk_samples, per)

@@ -71,10 +71,12 @@ def per_split(value: int | Mapping[str, int], split: str) -> int:
 
 def auto_partition_chunks(
     counts: Mapping[str, int], chunk_samples: int | Mapping[str, int], threads: int
-) -> int:
-    """Chunks per partition so the whole build makes about ``PARTITIONS_PER_THREAD`` x ``threads`` tasks."""
-    total = sum(num_chunks(n, per_split(chunk_samples, split)) for split, n in counts.items())
-    return max(1, -(-total // (PARTITIONS_PER_THREAD * max(1, threads))))
+) -> dict[str, int]:
+    """Chunks per partition of each split, so the build makes about ``PARTITIONS_PER_THREAD`` x
+    ``threads`` tasks of about the same number of samples (a build's work is per sample, and
+    splits' chunks can differ several-fold in samples)."""
+    target = sum(counts.values()) / (PARTITIONS_PER_THREAD * max(1, threads))
+    return {split: max(1, math.ceil(target / per_split(chunk_samples, split))) for split in counts}
 
 
 def plan_partitions(

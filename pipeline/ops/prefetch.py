@@ -117,8 +117,11 @@ class EpochPrefetch:
         self._items = prefetch(_epochs(open_epoch, epochs), depth, name=name)
         self._next = 0
         self._epochs = epochs
+        self._closed = False
 
     def epoch(self, epoch: int) -> Iterator[T]:
+        if self._closed:
+            raise ValueError(f"epoch {epoch} asked for after the prefetch was closed (an epoch left early?)")
         if epoch != self._next or epoch >= self._epochs:
             raise ValueError(
                 f"epochs are prefetched in order, 0 to {self._epochs - 1}: asked for epoch {epoch}, "
@@ -141,4 +144,5 @@ class EpochPrefetch:
 
     def close(self) -> None:
         """Stop the background thread (and the open epoch's readers); idempotent."""
+        self._closed = True
         self._items.close()  # type: ignore[attr-defined]

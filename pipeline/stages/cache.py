@@ -32,6 +32,8 @@ class Cache(Stage):
     type_name: ClassVar[str] = "cache"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
+    # 2: each split chunked by its own sample size (the chunks a shuffled epoch permutes changed)
+    version: ClassVar[int] = 2
     cacheable: ClassVar[bool] = True
     resumable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.

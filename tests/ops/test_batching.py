@@ -223,8 +223,8 @@ def test_leaving_an_epoch_early_stops_the_thread_and_closes_the_epoch() -> None:
     batches.close()  # e.g. an exception in the training step
     wait_for(lambda: not epoch_threads())
     assert epochs.closed == [0] and epochs.produced <= 1 + 2 + 1
-    with pytest.raises(ValueError, match="asked for epoch 0, next is 1"):
-        ahead.epoch(0)
+    with pytest.raises(ValueError, match="epoch 1 asked for after the prefetch was closed"):
+        ahead.epoch(1)
 
 
 def test_epoch_prefetch_reraises_a_failing_epoch_in_the_consumer() -> None:
