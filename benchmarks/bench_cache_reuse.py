@@ -39,8 +39,10 @@ Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bi
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -273,6 +275,14 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
     return row
 
 
+def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
+    """:func:`measure_cut` in a spawned process, set up as the CLI sets up a run."""
+    if keep_freed_heap_requested():
+        keep_freed_heap()
+    torch.set_num_threads(2)
+    return measure_cut(n, args, images_dir)
+
+
 def main() -> None:
     # As the CLI does: with ONDEVICE_TL_KEEP_HEAP=1 the heap keeps freed buffers (pipeline/heap.py);
     # that run writes its own result file, so both configurations stay on record.
@@ -296,7 +306,10 @@ def main() -> None:
         count = num_images(args.samples)
         image_bytes = write_image_folder(images_dir, count)
         for n in args.cuts:
-            rows.append(measure_cut(n, args, images_dir))
+            # A fresh process per cut: one cut's training and builds leave the heap (and its page
+            # faults) in a state that would otherwise skew the next cut's measurements.
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                rows.append(pool.submit(measure_cut_isolated, n, args, images_dir).result())
     targets = {
         # The median of paired repeats: robust to the host's speed changing between passes.
         "two_stage_within_10pct_of_compute_limit": all(
@@ -334,7 +347,8 @@ def main() -> None:
                 "build_over_bare_bar": f"median over {args.repeats} paired repeats, each a bare-forward "
                 "pass immediately followed by a fresh build of the cache in a new store",
                 "chunking": "each split's chunks about chunk_bytes (1 MiB) of its own samples",
-                "torch_threads": torch.get_num_threads(),
+                "torch_threads": 2,
+                "isolation": "each cut measured in a fresh (spawned) process",
                 "malloc": "keep_freed_heap (ONDEVICE_TL_KEEP_HEAP=1)" if keep_heap else "glibc defaults",
             },
             "rows": rows,
