@@ -140,16 +140,24 @@ def write_stream(
     fmt: str = "zarr",
     progress: Any = None,
     log: Any = None,
+    batch_period: int = 1,
 ) -> dict[str, Any]:
     """Write every split of ``stream`` into ``entry_dir`` (zarr v3 ``data.zarr`` or HDF5 ``entry.h5``).
 
     Both backends resume: chunks a killed or interrupted build already wrote (and that
-    still verify) are kept, and the stream is reopened at the first missing sample, so
+    still verify) are kept, and the stream is reopened near the first missing sample, so
     upstream work (decode, frozen forward) is not redone for them. The result is
     bit-identical to an uninterrupted build because chunks are a pure function of the
     samples and the codec, written in one canonical order (for HDF5 the kept chunks are
-    copied, still compressed, into a fresh file: see :mod:`stores.h5_entry`).
+    copied, still compressed, into a fresh file: see :mod:`stores.h5_entry`), and because
+    the stream is reopened on a batch boundary: ``batch_period`` is the number of samples
+    after which its batches realign (``executors.partitions.batch_period``), and the
+    lead-in samples before the first missing one are computed again and dropped. A
+    frozen forward's last bits can depend on its batch's shape, so a resume must form
+    the batches an uninterrupted build formed.
     """
+    if batch_period < 1:
+        raise ValueError(f"batch_period must be >= 1, got {batch_period}")
     spec = stream.spec
     # zarr: each split's chunks sized for its own samples; HDF5: one chunk length (H5Writer's layout).
     chunk: int | dict[str, int] = (
@@ -195,13 +203,19 @@ def write_stream(
         for split in spec.splits:
             if done[split] >= counts[split]:
                 continue
-            position = done[split]
-            for batch in stream.open(split, epoch=0, shuffle=False, start=position):
+            position = done[split]  # the first sample not stored yet
+            pulled = position - position % batch_period  # where an uninterrupted build's batch began
+            for batch in stream.open(split, epoch=0, shuffle=False, start=pulled):
                 n = len(next(iter(batch.values())))
-                background.put(split, position, {k: v.detach().cpu().numpy() for k, v in batch.items()})
-                position += n
+                skip = min(n, position - pulled)  # lead-in samples, already stored
+                pulled += n
+                if skip == n:
+                    continue
+                arrays = {k: v[skip:].detach().cpu().numpy() for k, v in batch.items()}
+                background.put(split, position, arrays)
+                position += n - skip
                 if progress is not None:
-                    progress.update(n)
+                    progress.update(n - skip)
     finally:
         background.finish()
     writer.close()

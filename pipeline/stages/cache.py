@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..errors import StageError
+from ..executors.partitions import batch_period
 from ..fingerprint import is_cacheable
 from ..ops.cache import StoredStream, write_stream
 from ..registry import register
@@ -116,6 +117,7 @@ class Cache(Stage):
                 fmt=self.format,
                 progress=bar,
                 log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
+                batch_period=1 if ctx.recipe is None else batch_period(ctx.recipe, self.input),
             )
 
     def _build_on_dask(

@@ -58,7 +58,7 @@ class Numbers(Stream):
 COUNTS = {"train": 230, "val": 41}
 
 
-def build(entry: Path, fmt: str = "zarr", stream: Stream | None = None) -> dict:
+def build(entry: Path, fmt: str = "zarr", stream: Stream | None = None, batch_period: int = 1) -> dict:
     codec = ("zstd", 3) if fmt == "zarr" else ("gzip", 4)
     return write_stream(
         stream or Numbers(COUNTS),
@@ -68,6 +68,7 @@ def build(entry: Path, fmt: str = "zarr", stream: Stream | None = None) -> dict:
         level=codec[1],
         attrs={"test": True},
         fmt=fmt,
+        batch_period=batch_period,
     )
 
 
@@ -317,3 +318,42 @@ def test_hdf5_keeps_one_chunk_length(tmp_path: Path) -> None:
     reader = StoredStream(tmp_path).reader
     assert reader.chunk_samples("train") == reader.chunk_samples("val") == 5  # sized by the widest split
 
+
+
+# ------------------------------------------------------------------------- resume on a batch boundary
+
+
+class BatchShaped(Numbers):
+    """Values that depend on where a batch begins, as a forward's last bits can depend on its batch."""
+
+    def open(
+        self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
+        for batch in super().open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start):
+            offset = float(int(batch["id"][0]) % 7)  # 0 for the batches a build from sample 0 forms
+            yield {**batch, "x": batch["x"] + torch.tensor(offset, dtype=torch.float16)}
+
+
+def resumed(entry: Path, batch_period: int) -> tuple[BatchShaped, dict]:
+    with pytest.raises(KeyboardInterrupt):
+        build(entry, stream=BatchShaped(COUNTS, fail_after=20))
+    again = BatchShaped(COUNTS)
+    info = build(entry, stream=again, batch_period=batch_period)
+    return again, info
+
+
+def test_a_resumed_build_forms_the_batches_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    build(tmp_path / "whole", stream=BatchShaped(COUNTS))
+    whole = StoredStream(tmp_path / "whole")
+    stream, info = resumed(tmp_path / "aligned", batch_period=7)
+    assert info["resumed_samples"] == 128  # 8 whole chunks of 16 written: a chunk edge, not a batch edge
+    assert stream.opened_at[0] % 7 == 0 and stream.opened_at[0] < info["resumed_samples"]
+    aligned = StoredStream(tmp_path / "aligned")
+    for split in COUNTS:
+        assert torch.equal(read_all(aligned, split)["x"], read_all(whole, split)["x"])
+    # Reopened at the chunk edge instead, the batches begin elsewhere and the stored values differ.
+    _, info = resumed(tmp_path / "unaligned", batch_period=1)
+    unaligned = read_all(StoredStream(tmp_path / "unaligned"), "train")["x"]
+    assert not torch.equal(unaligned, read_all(whole, "train")["x"])
+    with pytest.raises(ValueError, match="batch_period must be >= 1"):
+        build(tmp_path / "bad", batch_period=0)
