@@ -17,7 +17,6 @@ That is a trade for the user to make, so it is opt-in: ``ONDEVICE_TL_KEEP_HEAP=1
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -38,11 +37,8 @@ def keep_freed_heap() -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError):  # musl and other C libraries have no mallopt
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -19,10 +19,12 @@ from stores.zarr_entry import ZarrReader, ZarrWriter
 
 from .context import RunContext
 from .errors import RecipeError
+from .executors.partitions import batch_period
 from .ops.batching import concat
 from .progress import Progress
 from .recipe import load_recipe
 from .runner import Runner
+from .stream import samples_from
 
 
 def _stage_for(runner: Runner, fingerprint: str) -> str:
@@ -67,6 +69,7 @@ def repair_entry(
     name = _stage_for(runner, fingerprint)
     (parent,) = runner.graph.edges[name].values()
     stream = runner.output(parent)
+    period = batch_period(recipe, parent)  # recompute chunks in the batches the build formed
     entry = catalog.lookup(fingerprint)
     assert entry is not None
     rewritten: dict[str, list[int]] = {}
@@ -78,13 +81,14 @@ def repair_entry(
         data: dict[int, np.ndarray] = {}
         for index in chunks:
             count = min(per, reader.num_samples(split) - index * per)
-            batches = stream.open(split, epoch=0, shuffle=False, start=index * per)
+            batches = samples_from(stream, split, index * per, period)
             taken, got = [], 0
             for batch in batches:
                 taken.append(batch)
                 got += len(batch[leaf])
                 if got >= count:
                     break
+            batches.close()  # the rest of the split is not needed: stop the upstream's threads now
             data[index] = concat(taken)[leaf][:count].detach().cpu().numpy()
             ctx.progress.log(f"recomputed chunk {index} of {array} ({count} samples)")
         rewritten[array] = ZarrWriter.rewrite_chunks(root, array, data)

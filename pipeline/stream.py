@@ -52,6 +52,36 @@ class Stream:
         return 0
 
 
+def samples_from(stream: Stream, split: str, start: int, batch_period: int = 1) -> Iterator[Batch]:
+    """Samples ``start`` on of ``split`` (unshuffled), batched as a pass from sample 0 batches them.
+
+    How a resumed build, a Dask partition and a chunk repair pick up mid-split. ``batch_period``
+    is the number of samples after which the stream's batches realign
+    (``executors.partitions.batch_period``): the stream is opened at the batch boundary at or
+    before ``start`` and the lead-in samples are computed again and dropped, because a frozen
+    forward's last bits can depend on its batch's shape. Closing the iterator closes the stream's.
+    """
+    if batch_period < 1:
+        raise ValueError(f"batch_period must be >= 1, got {batch_period}")
+    return _trimmed(stream, split, start, start - start % batch_period)
+
+
+def _trimmed(stream: Stream, split: str, start: int, opened_at: int) -> Iterator[Batch]:
+    batches = stream.open(split, epoch=0, shuffle=False, start=opened_at)
+    position = opened_at
+    try:
+        for batch in batches:
+            n = batch_size_of(batch)
+            skip = min(n, max(0, start - position))  # lead-in samples before ``start``
+            position += n
+            if skip < n:
+                yield {k: v[skip:] for k, v in batch.items()} if skip else batch
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
 BatchFn = Callable[[Batch, str, int, int], Batch]
 
 

@@ -33,7 +33,7 @@ from stores.local import FULL_DISK_ERRNOS, free_bytes
 from stores.zarr_entry import DurableLocalStore, ZarrReader
 
 from ..fingerprint import canonical_json, is_cacheable
-from ..stream import Stream
+from ..stream import Stream, samples_from
 from .errors import ExecutorError, WorkerStoreError
 from .layout import META
 from .partitions import Partition
@@ -257,19 +257,13 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
     fields = sorted(stream.spec.splits[part.split].fields)
     arrays = {f: _writable(root, f"{part.split}/{f}", zarr_dir) for f in fields}
     first = (part.first_chunk + kept) * part.chunk_samples
-    # Open on a batch boundary so every batch is the one a local build forms (same bits), then
-    # drop the lead-in samples before this partition.
-    position = first - first % job.batch_period
-    result["lead_in_samples"] = first - position
+    # Batched as a local build batches them (same bits): lead-in samples are computed and dropped.
+    result["lead_in_samples"] = first % job.batch_period
     writer = ChunkWriter(arrays, first, part.stop, part.chunk_samples, str(zarr_dir))
-    batches = stream.open(part.split, epoch=0, shuffle=False, start=position)
+    batches = samples_from(stream, part.split, first, job.batch_period)
     try:
         for batch in batches:
-            n = len(next(iter(batch.values())))
-            skip = min(n, max(0, first - position))
-            position += n
-            if skip < n:
-                writer.add({k: v[skip:].detach().cpu().numpy() for k, v in batch.items()})
+            writer.add({k: v.detach().cpu().numpy() for k, v in batch.items()})
             if writer.done:
                 break
     finally:

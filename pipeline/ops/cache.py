@@ -22,7 +22,7 @@ from stores.layout import ArraySpec
 
 from ..lazy import lazy_module
 from ..spec import FieldSpec, Spec, SplitSpec
-from ..stream import Stream, StreamStats
+from ..stream import Stream, StreamStats, samples_from
 from .batching import Batch
 from .prefetch import prefetch
 from .shuffle import window_shuffle
@@ -150,14 +150,10 @@ def write_stream(
     bit-identical to an uninterrupted build because chunks are a pure function of the
     samples and the codec, written in one canonical order (for HDF5 the kept chunks are
     copied, still compressed, into a fresh file: see :mod:`stores.h5_entry`), and because
-    the stream is reopened on a batch boundary: ``batch_period`` is the number of samples
-    after which its batches realign (``executors.partitions.batch_period``), and the
-    lead-in samples before the first missing one are computed again and dropped. A
-    frozen forward's last bits can depend on its batch's shape, so a resume must form
-    the batches an uninterrupted build formed.
+    the stream is reopened on a batch boundary (``batch_period``, see
+    :func:`pipeline.stream.samples_from`), so a resume forms the batches an uninterrupted
+    build formed.
     """
-    if batch_period < 1:
-        raise ValueError(f"batch_period must be >= 1, got {batch_period}")
     spec = stream.spec
     # zarr: each split's chunks sized for its own samples; HDF5: one chunk length (H5Writer's layout).
     chunk: int | dict[str, int] = (
@@ -204,18 +200,12 @@ def write_stream(
             if done[split] >= counts[split]:
                 continue
             position = done[split]  # the first sample not stored yet
-            pulled = position - position % batch_period  # where an uninterrupted build's batch began
-            for batch in stream.open(split, epoch=0, shuffle=False, start=pulled):
+            for batch in samples_from(stream, split, position, batch_period):
                 n = len(next(iter(batch.values())))
-                skip = min(n, position - pulled)  # lead-in samples, already stored
-                pulled += n
-                if skip == n:
-                    continue
-                arrays = {k: v[skip:].detach().cpu().numpy() for k, v in batch.items()}
-                background.put(split, position, arrays)
-                position += n - skip
+                background.put(split, position, {k: v.detach().cpu().numpy() for k, v in batch.items()})
+                position += n
                 if progress is not None:
-                    progress.update(n - skip)
+                    progress.update(n)
     finally:
         background.finish()
     writer.close()
