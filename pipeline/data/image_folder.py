@@ -14,6 +14,7 @@ whose pixel data is broken raises when it is first loaded, naming the file.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Sequence
@@ -61,8 +62,21 @@ def _to_array(im: Image.Image) -> np.ndarray:
 
 def read_image(path: Path) -> np.ndarray:
     """Decode an image file to uint8 HWC (EXIF orientation applied); DataError naming the file on failure."""
+    return decode_image(path, read_bytes(path))
+
+
+def read_bytes(path: Path) -> bytes:
+    """The bytes of an image file; DataError naming the file when it cannot be read."""
     try:
-        with Image.open(path) as im:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read image file: {type(exc).__name__}: {exc}") from exc
+
+
+def decode_image(path: Path, data: bytes) -> np.ndarray:
+    """Decode the bytes of image file ``path`` to uint8 HWC (EXIF orientation applied)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
             if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
                 return _to_array(ImageOps.exif_transpose(im))
             return _to_array(im)
@@ -92,8 +106,18 @@ class FileSampleSet(SampleSet):
             raise DataError(f"{name}: {len(paths)} files but {len(self.labels)} labels")
         self.paths = list(paths)
 
+    @property
+    def decodes(self) -> bool:
+        return True
+
     def _load(self, idx: np.ndarray) -> Images:
-        return as_batch([read_image(self.paths[i]) for i in idx])
+        return self._decode(self._read(idx))
+
+    def _read(self, idx: np.ndarray) -> Sequence[tuple[Path, bytes]]:
+        return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]
+
+    def _decode(self, raw: Sequence[tuple[Path, bytes]]) -> Images:
+        return as_batch([decode_image(path, data) for path, data in raw])
 
     def _content_identity(self) -> str:
         return hash_json({"format": "image-files", "files": files_identity(self.paths)})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,14 @@ def as_batch(images: Sequence[np.ndarray]) -> Images:
     if len(images) == 0:
         return np.zeros((0, 1, 1, 1), np.uint8)
     return list(images)
+
+
+def concat_images(parts: Sequence[Images]) -> Images:
+    """Batches of images joined in order: one array when every image shares a shape, else a list."""
+    arrays = [p for p in parts if len(p)]
+    if arrays and all(isinstance(p, np.ndarray) and p.shape[1:] == arrays[0].shape[1:] for p in arrays):
+        return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    return as_batch([image for p in parts for image in p])
 
 
 def _as_index(idx: np.ndarray | Sequence[int], size: int, where: str) -> np.ndarray:
@@ -99,6 +108,28 @@ class SampleSet(ABC):
     def load(self, idx: np.ndarray | Sequence[int]) -> Images:
         """Pixels of samples ``idx``, uint8 HWC: one (N, H, W, C) array if they share a shape, else a list."""
         return self._load(_as_index(idx, len(self), self.name))
+
+    # Loading in two halves, for callers that schedule storage and CPU work apart (the decode
+    # stage reads files ahead on a background thread and decodes them on every core between
+    # compute steps): ``decode(read(idx))`` is ``load(idx)``.
+    @property
+    def decodes(self) -> bool:
+        """True when :meth:`decode` does real CPU work (image decoding, generation), worth spreading."""
+        return False
+
+    def read(self, idx: np.ndarray | Sequence[int]) -> Sequence[Any]:
+        """The storage half of loading samples ``idx``: one raw item per sample, sliceable by sample."""
+        return self._read(_as_index(idx, len(self), self.name))
+
+    def decode(self, raw: Sequence[Any]) -> Images:
+        """The CPU half: pixels of the samples in ``raw`` (any slice of what :meth:`read` returned)."""
+        return self._decode(raw)
+
+    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+        return self._load(idx)  # in memory: reading is all there is
+
+    def _decode(self, raw: Sequence[Any]) -> Images:
+        return raw  # type: ignore[return-value]  # what _read returned is already pixels
 
     def identity(self) -> str:
         """Content identity of exactly these samples, in this order, with these labels and class names."""
@@ -193,8 +224,18 @@ class GeneratedSampleSet(SampleSet):
         self._generate = generate
         self._content_id = content_id
 
+    @property
+    def decodes(self) -> bool:
+        return True
+
     def _load(self, idx: np.ndarray) -> Images:
-        return as_batch([as_hwc(self._generate(int(i)), f"{self.name} sample {int(i)}") for i in idx])
+        return self._decode(self._read(idx))
+
+    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+        return idx  # nothing is stored: generation is the CPU half
+
+    def _decode(self, raw: Sequence[Any]) -> Images:
+        return as_batch([as_hwc(self._generate(int(i)), f"{self.name} sample {int(i)}") for i in raw])
 
     def _content_identity(self) -> str:
         return self._content_id
@@ -220,8 +261,18 @@ class SubsetSampleSet(SampleSet):
         self.indices = np.asarray(indices, np.int64)
         self.indices.setflags(write=False)
 
+    @property
+    def decodes(self) -> bool:
+        return self.parent.decodes
+
     def _load(self, idx: np.ndarray) -> Images:
         return self.parent._load(self.indices[idx])
+
+    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+        return self.parent._read(self.indices[idx])
+
+    def _decode(self, raw: Sequence[Any]) -> Images:
+        return self.parent._decode(raw)
 
     def _content_identity(self) -> str:
         return hash_json({"parent": self.parent._content_identity(), "indices": hash_array(self.indices)})

@@ -8,13 +8,15 @@ feature space instead.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.decode import Decoder, InputAugment
+from ..data.sampleset import Images, concat_images
 from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..ops.prefetch import prefetch
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
+#: Where decoding and input augmentation run (see DatasetStream); "auto" picks by device.
+CPU_WORK = ("background", "between_steps")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -44,6 +48,21 @@ class AugmentConfig(BaseModel):
 
 
 class DatasetStream(Stream):
+    """Batches of decoded, normalized images of one dataset, read ahead by a background thread.
+
+    Where the CPU half of loading (pixel decoding, input augmentation) runs is ``cpu_work``:
+
+    - ``"background"``: on the prefetch thread with the file reads, concurrently with the
+      consumer. Right when the consumer's compute leaves cores idle (an accelerator does the
+      math): decoding is then free.
+    - ``"between_steps"``: the prefetch thread only reads files (it mostly waits on storage),
+      and the consumer decodes each batch on ``threads`` threads when it asks for it. Right when
+      compute already fills every core (a CPU device): a decoder running beside it preempts one
+      of torch's worker threads, and the others stall at the next barrier until it returns, so a
+      background decoder costs more wall time than its own CPU time; spread over all cores
+      between steps it costs its CPU time divided by the cores.
+    """
+
     def __init__(
         self,
         data: DatasetValue,
@@ -53,7 +72,11 @@ class DatasetStream(Stream):
         augment_splits: tuple[str, ...],
         batch_size: int,
         prefetch_depth: int,
+        cpu_work: str = "background",
+        threads: int = 1,
     ) -> None:
+        if cpu_work not in CPU_WORK:
+            raise ValueError(f"cpu_work must be one of {CPU_WORK}, got {cpu_work!r}")
         self.data = data
         self.spec = spec
         self.decoder = decoder
@@ -61,6 +84,8 @@ class DatasetStream(Stream):
         self.augment_splits = augment_splits
         self.batch_size = batch_size
         self.prefetch_depth = prefetch_depth
+        self.cpu_work = cpu_work
+        self.threads = max(1, int(threads))
         self.stats = StreamStats()
 
     def open(
@@ -77,28 +102,37 @@ class DatasetStream(Stream):
         n = len(order)
         augment = self.augment if split in self.augment_splits else None
         labels = np.asarray(samples.labels)
+        # Nothing to spread when loading is a memory copy and nothing is augmented.
+        between = self.cpu_work == "between_steps" and (samples.decodes or augment is not None)
+
+        def pixels(raw: Sequence[Any], idx: np.ndarray) -> Images:
+            """The CPU half: decode, then augment (per-sample seeds: any split into parts gives the same)."""
+            images = samples.decode(raw)
+            return images if augment is None else augment(images, idx, epoch=epoch, seed=seed)
 
         def loaded() -> Iterator[tuple[np.ndarray, Any]]:
-            # Background thread: file reads, image decoding and augmentation (PIL, OpenCV and
-            # albumentations release the GIL in their heavy parts, so this overlaps compute).
+            # Background thread: file reads always; decoding and augmentation too unless they run
+            # between steps (PIL, OpenCV and albumentations release the GIL in their heavy parts).
             for pos in range(0, n, self.batch_size):
                 t0 = time.perf_counter()
                 idx = order[pos : pos + self.batch_size]
-                images = samples.load(idx)
-                if augment is not None:
-                    images = augment(images, idx, epoch=epoch, seed=seed)
+                raw = samples.read(idx)
+                item = raw if between else pixels(raw, idx)
                 self.stats.add(time.perf_counter() - t0, len(idx))
-                yield idx, images
+                yield idx, item
 
         # The consumer's thread: resize + normalize are parallel torch ops. Run from a second
         # thread they start a second OpenMP team that fights the consumer's (frozen forward,
         # training) for the same cores and slows it by more than their own cost; here they run
         # on the consumer's team, between its own ops, for ~0.1 ms per 224px image.
         ready = prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}")
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if between else None
         try:
-            for idx, images in ready:
+            for idx, item in ready:
                 t0 = time.perf_counter()
-                x = self.decoder(images)
+                if pool is not None:
+                    item = self._spread(pool, pixels, item, idx)
+                x = self.decoder(item)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
                 yield {
                     "x": x,
@@ -107,6 +141,18 @@ class DatasetStream(Stream):
                 }
         finally:
             ready.close()  # an abandoned stream stops its loader thread now, not at garbage collection
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+
+    def _spread(self, pool: ThreadPoolExecutor, pixels: Any, raw: Sequence[Any], idx: np.ndarray) -> Images:
+        """``pixels(raw, idx)`` computed as ``threads`` contiguous parts in parallel, joined in order."""
+        k = min(self.threads, len(idx))
+        if k <= 1:
+            return pixels(raw, idx)
+        bounds = np.linspace(0, len(idx), k + 1).astype(int)
+        ends = zip(bounds[:-1], bounds[1:], strict=True)
+        parts = [pool.submit(pixels, raw[a:b], idx[a:b]) for a, b in ends]
+        return concat_images([part.result() for part in parts])
 
 
 @register
@@ -116,7 +162,10 @@ class Decode(Stage):
     type_name: ClassVar[str] = "decode"
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size", "prefetch"})
+    # How and where the work is scheduled; never what it computes.
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"batch_size", "prefetch", "cpu_work", "decode_threads"}
+    )
 
     input: str
     resolution: int = Field(224, ge=8)
@@ -124,7 +173,16 @@ class Decode(Stage):
     std: tuple[float, float, float] = IMAGENET_STD
     augment: AugmentConfig | None = None
     batch_size: int = Field(64, ge=1)
-    prefetch: int = Field(2, ge=0, description="decoded batches kept ready by a background thread")
+    prefetch: int = Field(2, ge=0, description="batches read ahead by a background thread")
+    cpu_work: Literal["auto", "background", "between_steps"] = Field(
+        "auto",
+        description="where decoding and augmentation run: 'background' (prefetch thread, beside compute), "
+        "'between_steps' (on decode_threads threads when a batch is taken; files still read ahead); "
+        "'auto': between_steps when run.device is cpu, whose cores compute already fills",
+    )
+    decode_threads: int | None = Field(
+        None, ge=1, description="threads for between_steps decoding; default torch's thread count"
+    )
 
     def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
         data = inputs["input"]
@@ -148,4 +206,9 @@ class Decode(Stage):
             )
         decoder = Decoder(self.resolution, mean=self.mean, std=self.std)
         splits = self.augment.splits if self.augment else ()
-        return DatasetStream(data, spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch)
+        cpu_work = self.cpu_work
+        if cpu_work == "auto":
+            cpu_work = "between_steps" if ctx.torch_device.type == "cpu" else "background"
+        threads = self.decode_threads or torch.get_num_threads()
+        return DatasetStream(data, spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch,
+                             cpu_work=cpu_work, threads=threads)

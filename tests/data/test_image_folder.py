@@ -138,3 +138,41 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     exif[0x0112] = 6  # "rotate 90 CW to display", as phones write it
     Image.fromarray(np.zeros((10, 30, 3), np.uint8)).save(path, exif=exif)
     assert image_folder(tmp_path)["train"].load(np.array([0]))[0].shape == (30, 10, 3)
+
+
+def test_read_then_decode_equals_load_for_any_split_of_the_batch(tmp_path: Path) -> None:
+    # The decode stage reads files on one thread and decodes parts of the batch on others.
+    from pipeline.data.sampleset import concat_images
+
+    root = make_tree(tmp_path, {"a": 4, "b": 3})
+    s = image_folder(root)["train"].subset(np.array([6, 0, 3, 5, 1]))
+    assert s.decodes
+    idx = np.array([4, 0, 2, 3])
+    raw = s.read(idx)
+    assert len(raw) == 4 and all(isinstance(data, bytes) for _path, data in raw)
+    whole = s.load(idx)
+    assert np.array_equal(s.decode(raw), whole)
+    assert np.array_equal(concat_images([s.decode(raw[:1]), s.decode(raw[1:])]), whole)
+
+
+def test_mixed_sizes_survive_decoding_in_parts(tmp_path: Path) -> None:
+    from pipeline.data.sampleset import concat_images
+
+    save(tmp_path / "g" / "a.png", np.full((10, 8), 200, np.uint8))
+    save(tmp_path / "g" / "b.png", np.full((6, 6, 3), 100, np.uint8))
+    save(tmp_path / "g" / "c.png", np.full((6, 6, 3), 50, np.uint8))
+    s = image_folder(tmp_path)["train"]
+    raw = s.read(np.arange(3))
+    parts = concat_images([s.decode(raw[:1]), s.decode(raw[1:])])
+    assert isinstance(parts, list) and [p.shape for p in parts] == [(10, 8, 1), (6, 6, 3), (6, 6, 3)]
+    same = concat_images([s.decode(raw[1:2]), s.decode(raw[2:])])
+    assert isinstance(same, np.ndarray) and same.shape == (2, 6, 6, 3)
+
+
+def test_file_gone_after_indexing_is_named_at_read(tmp_path: Path) -> None:
+    root = make_tree(tmp_path, {"a": 2})
+    s = image_folder(root)["train"]
+    gone = root / "a" / "img01.png"
+    gone.unlink()
+    with pytest.raises(DataError, match=rf"{gone}: cannot read image file: FileNotFoundError"):
+        s.read(np.array([1]))

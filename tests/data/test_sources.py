@@ -122,3 +122,14 @@ def test_synthetic_is_deterministic_per_index_and_learnable() -> None:
     assert gray.shape == (10, 8, 8, 1)
     with pytest.raises(DataError, match="channels"):
         synthetic(10, 2, 8, channels=2)
+
+
+def test_in_memory_and_generated_sets_split_loading_into_read_and_decode() -> None:
+    mem = digits()["train"]
+    assert not mem.decodes  # a memory copy: nothing worth spreading over threads
+    idx = np.array([5, 1, 9])
+    assert np.array_equal(mem.decode(mem.read(idx)), mem.load(idx))
+    gen = synthetic(12, 3, 10, seed=1)["train"].subset(np.array([11, 2, 7, 4]))
+    assert gen.decodes
+    raw = gen.read(np.array([3, 0, 2]))
+    assert np.array_equal(gen.decode(raw), gen.load(np.array([3, 0, 2])))
