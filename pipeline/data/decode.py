@@ -95,10 +95,13 @@ class Decoder:
     def _decode(self, array: np.ndarray) -> torch.Tensor:
         n, h, w, c = array.shape
         r = self.resolution
-        x = torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).contiguous()
+        x = torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2)  # NHWC memory
         if (h, w) == (r, r):
-            # (N, C, R, R) * (1, 3, 1, 1): grayscale broadcasts to 3 channels in the same step.
-            return torch.addcmul(self._shift, x, self._scale)
+            # One pass from uint8 NHWC to normalized float NCHW; ``out`` makes the result contiguous
+            # (left to itself it would follow the input's channels-last strides). (N, C, R, R) *
+            # (1, 3, 1, 1): grayscale broadcasts to 3 channels in the same step.
+            return torch.addcmul(self._shift, x, self._scale, out=torch.empty((n, 3, r, r)))
+        x = x.contiguous()
         size = (r, r)
         # Antialiasing only changes downscaling; upward it is plain bilinear, which is faster.
         antialias = h > r or w > r
