@@ -30,11 +30,23 @@ def keep_freed_heap_requested() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
+_applied = False
+
+
+def heap_kept() -> bool:
+    """True once :func:`keep_freed_heap` has been applied in this process."""
+    return _applied
+
+
 def keep_freed_heap() -> bool:
     """Turn off mmap'd allocations and heap trimming; True if applied (Linux with glibc only).
 
     Call it before the first large allocation: blocks mapped earlier are still unmapped on free.
+    Calling it again is harmless (the settings are process-wide and stay).
     """
+    global _applied
+    if _applied:
+        return True
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -44,4 +56,5 @@ def keep_freed_heap() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # trim threshold: the largest int (never trim); mmap max 0: every block comes from the heap
-    return bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(M_MMAP_MAX, 0))
+    _applied = bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(M_MMAP_MAX, 0))
+    return _applied

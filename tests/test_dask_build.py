@@ -13,6 +13,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -215,6 +216,20 @@ def test_resume_after_client_dies(cluster: Any, local_build: tuple[Path, str], t
     extra = catalog.lookup(fp).manifest["extra"]
     assert extra["resumed_samples"] > 0
     assert extra["executor"]["partitions_computed"] < extra["executor"]["partitions"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_workers_keep_the_heap_when_the_client_asks(
+    cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Workers do not share the client's environment (they may be other machines): the choice
+    # travels with the job, and each worker applies it before its frozen forward.
+    from pipeline.heap import ENV, heap_kept
+
+    monkeypatch.setenv(ENV, "1")
+    run(recipe_from_dict(recipe_dict(dask_executor(cluster.scheduler_address))), tmp_path / "store")
+    with Client(cluster, set_as_default=False) as client:
+        assert set(client.run(heap_kept).values()) == {True}
 
 
 def test_unreachable_scheduler_names_the_address(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ from stores.zarr_entry import ZarrReader
 
 from ..errors import PipelineError
 from ..fingerprint import canonical_json
+from ..heap import ENV as HEAP_ENV
+from ..heap import keep_freed_heap_requested
 from ..ops.cache import ZARR_DIR, spec_to_json
 from ..spec import Spec
 from .errors import ExecutorError
@@ -211,6 +213,7 @@ def build_on_dask(
         zarr_dir=str(zarr_dir.resolve()),
         torch_threads=executor.torch_threads,
         batch_period=batch_period(recipe, input_name),
+        keep_heap=keep_freed_heap_requested(),
     )
     total = sum(layout.counts.values())
     stats: dict[str, Any] = {
@@ -249,7 +252,7 @@ def build_on_dask(
             ): part
             for part in parts
         }
-        warned_malloc = False
+        warned_malloc = warned_heap = False
         try:
             with ctx.progress.bar(total, f"{name}: building cache on Dask", unit="img") as bar:
                 for done, future in enumerate(as_completed(futures, loop=client.loop), start=1):
@@ -269,6 +272,12 @@ def build_on_dask(
                             f"hint: Dask workers run with {MALLOC_TRIM}={result['malloc_trim']} (the nanny's "
                             "default), which can halve torch's CPU speed; start them without it (remove it "
                             "from distributed.nanny.pre-spawn-environ in their Dask config)"
+                        )
+                    if job.keep_heap and not result.get("heap_kept", True) and not warned_heap:
+                        warned_heap = True
+                        log(
+                            f"warning: {HEAP_ENV}=1 could not be applied on worker {result['worker']} (it "
+                            "needs Linux with glibc there); that worker runs with its default allocator"
                         )
                     stats["partitions_computed"] += result["computed_samples"] > 0
                     stats["worker_startup_s"] = max(stats["worker_startup_s"], result["upstream_seconds"])

@@ -33,6 +33,7 @@ from stores.local import FULL_DISK_ERRNOS, free_bytes
 from stores.zarr_entry import DurableLocalStore, ZarrReader
 
 from ..fingerprint import canonical_json, is_cacheable
+from ..heap import heap_kept, keep_freed_heap
 from ..stream import Stream, samples_from
 from .errors import ExecutorError, WorkerStoreError
 from .layout import META
@@ -53,6 +54,9 @@ class BuildJob:
     zarr_dir: str  # the staging hierarchy to write into
     torch_threads: int
     batch_period: int  # streams are opened at multiples of this (see partitions.batch_period)
+    # The client's ONDEVICE_TL_KEEP_HEAP choice (pipeline/heap.py): a worker on another machine
+    # does not share the client's environment, so the choice travels with the job.
+    keep_heap: bool = False
 
     @property
     def key(self) -> str:
@@ -108,6 +112,8 @@ def _open_upstream(job: BuildJob) -> _Upstream:
     )
     # Process-wide on purpose: every partition this worker runs shares one torch thread pool.
     torch.set_num_threads(job.torch_threads)
+    if job.keep_heap:
+        keep_freed_heap()  # before the model and the first batch are allocated
     runner = Runner(recipe, ctx)
     fp = runner.fingerprints.get(job.stage)
     if fp != job.fingerprint:
@@ -253,6 +259,7 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
         result["seconds"] = time.perf_counter() - start
         return result
     stream, result["upstream_seconds"] = upstream(job)
+    result["heap_kept"] = heap_kept()  # the client warns when it asked for this and did not get it
     root = zarr.open_group(store=DurableLocalStore(zarr_dir), mode="r+", zarr_format=3)
     fields = sorted(stream.spec.splits[part.split].fields)
     arrays = {f: _writable(root, f"{part.split}/{f}", zarr_dir) for f in fields}
