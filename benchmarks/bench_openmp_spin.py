@@ -6,7 +6,7 @@ is several milliseconds of a core. That is free when torch's ops follow each oth
 a loss whenever anything else in the process needs that core right after an op: JPEG
 decoding between frozen-forward batches, the reader threads of a training epoch. This
 measures both sides, to decide whether the toolkit should shorten the spin (it does not:
-see the README's "Runtime settings"; a user can set ``GOMP_SPINCOUNT`` or
+see the README's CLI reference; a user can set ``GOMP_SPINCOUNT`` or
 ``OMP_WAIT_POLICY`` before starting Python).
 
 MobileNetV2 at 224x224, batch 32, 2 torch threads, random weights. Per batch:
