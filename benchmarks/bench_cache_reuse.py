@@ -201,7 +201,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         build = reports["cache"]
         # Paired repeats for the build bar too: a bare-forward pass right before a fresh build of the
         # same cache (a new store, so every image is decoded, forwarded, quantized and written again).
-        build_paired = []
+        build_paired, bare_s, build_s = [], [], []
         build_only = recipe(args.samples, n, args.bits, args.epochs, args.batch, images_dir)
         build_only["targets"] = ["cache"]
         for _ in range(args.repeats):
@@ -211,17 +211,21 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
                 rebuilt = {r.name: r for r in Runner(recipe_from_dict(build_only), fresh_ctx).run()}
             assert rebuilt["cache"].status == "computed"
             build_paired.append(total / rebuilt["cache"].seconds / fwd_r)
+            bare_s.append(total / fwd_r)
+            build_s.append(rebuilt["cache"].seconds)
         del batches
         # Paired repeats: a compute-limit pass right before a two-stage pass (from the stored cache), so
         # each ratio compares two measurements taken close together; the median resists this host's
         # speed swings between time windows.
-        paired = []
+        paired, limit_s, two_s = [], [], []
         two_only = recipe(args.samples, n, args.bits, args.epochs, args.batch, images_dir)
         two_only["targets"] = ["two_stage"]
         for _ in range(args.repeats):
             limit_r, _ = compute_limit(n, train_samples, args.batch, args.epochs)
             again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
             paired.append(again["two_stage"].metrics["epoch_seconds_steady"] / steady(limit_r))
+            limit_s.append(steady(limit_r))
+            two_s.append(again["two_stage"].metrics["epoch_seconds_steady"])
     # The faster pass is the reference for both bars: the stricter choice, and robust to the
     # machine being slower for a while during one of the passes.
     limit_times = min(limit_before, limit_after, key=steady)
@@ -259,6 +263,15 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         "build_over_bare_forward_median": float(np.median(build_paired))
         if build_paired
         else build_ips / fwd_ips,
+        # Raw seconds of every repeat, and the ratio of the fastest repeat of each side: noise on this
+        # host only adds time, so each side's fastest repeat is its least disturbed one (timeit's
+        # reasoning). Reported beside the paired medians; the bars use the paired medians.
+        "repeats_bare_forward_s": bare_s,
+        "repeats_build_s": build_s,
+        "repeats_compute_limit_epoch_s": limit_s,
+        "repeats_two_stage_epoch_s": two_s,
+        "build_over_bare_forward_best": min(bare_s) / min(build_s) if build_s else None,
+        "two_stage_over_compute_limit_best": min(two_s) / min(limit_s) if two_s else None,
         "cache_bytes": two["cache_bytes"],
         "bits": two["bits"],
     }
