@@ -100,7 +100,8 @@ class Decoder:
             # One pass from uint8 NHWC to normalized float NCHW; ``out`` makes the result contiguous
             # (left to itself it would follow the input's channels-last strides). (N, C, R, R) *
             # (1, 3, 1, 1): grayscale broadcasts to 3 channels in the same step.
-            return torch.addcmul(self._shift, x, self._scale, out=torch.empty((n, 3, r, r)))
+            out = torch.empty((n, 3, r, r), dtype=torch.float32)
+            return torch.addcmul(self._shift, x, self._scale, out=out)
         x = x.contiguous()
         size = (r, r)
         # Antialiasing only changes downscaling; upward it is plain bilinear, which is faster.

@@ -60,11 +60,6 @@ def _to_array(im: Image.Image) -> np.ndarray:
     return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
 
 
-def read_image(path: Path) -> np.ndarray:
-    """Decode an image file to uint8 HWC (EXIF orientation applied); DataError naming the file on failure."""
-    return decode_image(path, read_bytes(path))
-
-
 def read_bytes(path: Path) -> bytes:
     """The bytes of an image file; DataError naming the file when it cannot be read."""
     try:
@@ -109,9 +104,6 @@ class FileSampleSet(SampleSet):
     @property
     def decodes(self) -> bool:
         return True
-
-    def _load(self, idx: np.ndarray) -> Images:
-        return self._decode(self._read(idx))
 
     def _read(self, idx: np.ndarray) -> Sequence[tuple[Path, bytes]]:
         return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]

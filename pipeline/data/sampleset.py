@@ -3,7 +3,9 @@
 A ``SampleSet`` is what every source returns and what splits and decoders consume.
 It holds only what planning needs up front (labels, class names, size) and reads
 pixels on demand through ``load(idx)``, so indexing a large dataset is cheap and a
-cached downstream result can be reused without decoding a single image.
+cached downstream result can be reused without decoding a single image. Loading has
+two halves a caller may schedule apart: ``read`` (storage: file bytes) and ``decode``
+(CPU: pixels), ``load(idx) == decode(read(idx))``.
 
 Images come back as uint8 HWC (C = 1 or 3): one ``(N, H, W, C)`` array when the
 requested samples share a shape (the fast, batched path), else a list of arrays.
@@ -73,9 +75,10 @@ def _as_index(idx: np.ndarray | Sequence[int], size: int, where: str) -> np.ndar
 class SampleSet(ABC):
     """Base of all sample sets: labels and class names in memory, pixels on demand.
 
-    Subclasses implement ``_load`` (pixels of valid indices) and ``_content_identity``
-    (identity of the pixels in order); labels, class names, validation, subsets and
-    the full identity are handled here once.
+    Subclasses implement ``_read`` (one raw item per valid index, sliceable by sample),
+    ``_decode`` when the raw items are not pixels yet (plus ``decodes`` = True when that is
+    real CPU work), and ``_content_identity`` (identity of the pixels in order); labels,
+    class names, validation, subsets and the full identity are handled here once.
     """
 
     def __init__(self, labels: np.ndarray | Sequence[int], class_names: Sequence[str], *, name: str) -> None:
@@ -107,7 +110,7 @@ class SampleSet(ABC):
 
     def load(self, idx: np.ndarray | Sequence[int]) -> Images:
         """Pixels of samples ``idx``, uint8 HWC: one (N, H, W, C) array if they share a shape, else a list."""
-        return self._load(_as_index(idx, len(self), self.name))
+        return self.decode(self.read(idx))
 
     # Loading in two halves, for callers that schedule storage and CPU work apart (the decode
     # stage reads files ahead on a background thread and decodes them on every core between
@@ -125,11 +128,12 @@ class SampleSet(ABC):
         """The CPU half: pixels of the samples in ``raw`` (any slice of what :meth:`read` returned)."""
         return self._decode(raw)
 
+    @abstractmethod
     def _read(self, idx: np.ndarray) -> Sequence[Any]:
-        return self._load(idx)  # in memory: reading is all there is
+        """Raw items of already-validated int64 indices: pixels, or what ``_decode`` turns into pixels."""
 
     def _decode(self, raw: Sequence[Any]) -> Images:
-        return raw  # type: ignore[return-value]  # what _read returned is already pixels
+        return raw  # type: ignore[return-value]  # in memory: what _read returned is already pixels
 
     def identity(self) -> str:
         """Content identity of exactly these samples, in this order, with these labels and class names."""
@@ -151,10 +155,6 @@ class SampleSet(ABC):
             raise DataError(f"{self.name}: subset of {len(indices)} samples given {len(new_labels)} labels")
         names = self.class_names if class_names is None else class_names
         return SubsetSampleSet(self, indices, new_labels, names, name=name or f"{self.name}[subset]")
-
-    @abstractmethod
-    def _load(self, idx: np.ndarray) -> Images:
-        """Pixels of already-validated int64 indices."""
 
     @abstractmethod
     def _content_identity(self) -> str:
@@ -202,7 +202,7 @@ class ArraySampleSet(SampleSet):
                     self._loader = None
         return self._array
 
-    def _load(self, idx: np.ndarray) -> Images:
+    def _read(self, idx: np.ndarray) -> Images:
         return self.array()[idx]
 
     def _content_identity(self) -> str:
@@ -227,9 +227,6 @@ class GeneratedSampleSet(SampleSet):
     @property
     def decodes(self) -> bool:
         return True
-
-    def _load(self, idx: np.ndarray) -> Images:
-        return self._decode(self._read(idx))
 
     def _read(self, idx: np.ndarray) -> Sequence[Any]:
         return idx  # nothing is stored: generation is the CPU half
@@ -264,9 +261,6 @@ class SubsetSampleSet(SampleSet):
     @property
     def decodes(self) -> bool:
         return self.parent.decodes
-
-    def _load(self, idx: np.ndarray) -> Images:
-        return self.parent._load(self.indices[idx])
 
     def _read(self, idx: np.ndarray) -> Sequence[Any]:
         return self.parent._read(self.indices[idx])

@@ -112,8 +112,6 @@ def _open_upstream(job: BuildJob) -> _Upstream:
     )
     # Process-wide on purpose: every partition this worker runs shares one torch thread pool.
     torch.set_num_threads(job.torch_threads)
-    if job.keep_heap:
-        keep_freed_heap()  # before the model and the first batch are allocated
     runner = Runner(recipe, ctx)
     fp = runner.fingerprints.get(job.stage)
     if fp != job.fingerprint:
@@ -242,6 +240,10 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
             "Workers write their chunks straight into the store, so every worker must see the store at "
             "the same path as the client (a shared or network filesystem)"
         )
+    if job.keep_heap:
+        # Here, not where the upstream graph is built: a worker may reuse a graph built for an
+        # earlier job (same recipe and store) that did not ask for it. Idempotent.
+        keep_freed_heap()
     kept = kept_chunks(ZarrReader(zarr_dir), part)
     result = {
         "split": part.split,

@@ -21,7 +21,7 @@ from ..ops.batching import rechunk, xy
 from ..registry import register
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage
-from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream
+from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
 from ..stages.model import ArchConfig, ModelValue, model_spec
 from .trainer import TrainConfig, train
 
@@ -79,7 +79,9 @@ class Pretrain(Stage):
                 hflip=self.augment.hflip,
             )
         decoder = Decoder(self.resolution, mean=IMAGENET_MEAN, std=IMAGENET_STD)
-        stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch)
+        cpu_work, threads = placement("auto", None, ctx)
+        stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch,
+                               cpu_work=cpu_work, threads=threads)
 
         def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             opened = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)

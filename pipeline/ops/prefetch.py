@@ -22,6 +22,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _DONE = object()
+# Marks the threads prefetch runs producers on: work done there is already off the consumer's thread.
+_role = threading.local()
+
+
+def on_prefetch_thread() -> bool:
+    """True on a thread that :func:`prefetch` runs a producer on (a stage that would otherwise
+    schedule work "between the consumer's steps" is then not on the consumer's thread at all)."""
+    return getattr(_role, "producer", False)
 
 
 class _Failure:
@@ -47,6 +55,7 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
         return False
 
     def produce() -> None:
+        _role.producer = True
         try:
             for item in items:
                 if not put(item):

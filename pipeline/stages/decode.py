@@ -19,7 +19,7 @@ from ..data.decode import Decoder, InputAugment
 from ..data.sampleset import Images, concat_images
 from ..lazy import lazy_module
 from ..ops.batching import Batch
-from ..ops.prefetch import prefetch
+from ..ops.prefetch import on_prefetch_thread, prefetch
 from ..registry import register
 from ..spec import DATASET, STREAM, FieldSpec, Spec, SplitSpec
 from ..stage import Stage
@@ -60,7 +60,8 @@ class DatasetStream(Stream):
       compute already fills every core (a CPU device): a decoder running beside it preempts one
       of torch's worker threads, and the others stall at the next barrier until it returns, so a
       background decoder costs more wall time than its own CPU time; spread over all cores
-      between steps it costs its CPU time divided by the cores.
+      between steps it costs its CPU time divided by the cores. When the stream is itself pulled
+      by a prefetch thread, there are no steps on it to fit between, and it decodes as "background".
     """
 
     def __init__(
@@ -102,8 +103,14 @@ class DatasetStream(Stream):
         n = len(order)
         augment = self.augment if split in self.augment_splits else None
         labels = np.asarray(samples.labels)
-        # Nothing to spread when loading is a memory copy and nothing is augmented.
-        between = self.cpu_work == "between_steps" and (samples.decodes or augment is not None)
+        # Nothing to spread when loading is a memory copy and nothing is augmented; and when this
+        # stream is itself pulled by a prefetch thread (NeuroFlux, finetune's read-ahead), there are
+        # no steps on this thread to fit between: decode on the loader thread, one thread beside compute.
+        between = (
+            self.cpu_work == "between_steps"
+            and (samples.decodes or augment is not None)
+            and not on_prefetch_thread()
+        )
 
         def pixels(raw: Sequence[Any], idx: np.ndarray) -> Images:
             """The CPU half: decode, then augment (per-sample seeds: any split into parts gives the same)."""
@@ -126,12 +133,13 @@ class DatasetStream(Stream):
         # training) for the same cores and slows it by more than their own cost; here they run
         # on the consumer's team, between its own ops, for ~0.1 ms per 224px image.
         ready = prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}")
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if between else None
+        spread = between and self.threads > 1
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
         try:
             for idx, item in ready:
                 t0 = time.perf_counter()
-                if pool is not None:
-                    item = self._spread(pool, pixels, item, idx)
+                if between:
+                    item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
                 x = self.decoder(item)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
                 yield {
@@ -147,7 +155,7 @@ class DatasetStream(Stream):
     def _spread(self, pool: ThreadPoolExecutor, pixels: Any, raw: Sequence[Any], idx: np.ndarray) -> Images:
         """``pixels(raw, idx)`` computed as ``threads`` contiguous parts in parallel, joined in order."""
         k = min(self.threads, len(idx))
-        if k <= 1:
+        if k == 1:
             return pixels(raw, idx)
         bounds = np.linspace(0, len(idx), k + 1).astype(int)
         ends = zip(bounds[:-1], bounds[1:], strict=True)
@@ -206,9 +214,14 @@ class Decode(Stage):
             )
         decoder = Decoder(self.resolution, mean=self.mean, std=self.std)
         splits = self.augment.splits if self.augment else ()
-        cpu_work = self.cpu_work
-        if cpu_work == "auto":
-            cpu_work = "between_steps" if ctx.torch_device.type == "cpu" else "background"
-        threads = self.decode_threads or torch.get_num_threads()
+        cpu_work, threads = placement(self.cpu_work, self.decode_threads, ctx)
         return DatasetStream(data, spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch,
                              cpu_work=cpu_work, threads=threads)
+
+
+def placement(cpu_work: str, threads: int | None, ctx: Any) -> tuple[str, int]:
+    """(placement, threads) for a DatasetStream: ``auto`` is between_steps on a CPU device, whose cores
+    the consumer's compute already fills; threads default to torch's (``run.threads``)."""
+    if cpu_work == "auto":
+        cpu_work = "between_steps" if ctx.torch_device.type == "cpu" else "background"
+    return cpu_work, threads or torch.get_num_threads()

@@ -105,6 +105,29 @@ def test_decode_errors_reach_the_consumer(cpu_work: str) -> None:
     samples.decode = broken  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="sample 13: corrupt"):
         list(stream.open("train"))
+    # The other parts of that batch were running or queued: none is left behind.
+    assert not any(t.name.startswith("decode-train") and t.is_alive() for t in threading.enumerate())
+
+
+def test_pulled_by_a_prefetch_thread_it_decodes_there_without_a_pool() -> None:
+    # NeuroFlux and finetune's read-ahead pull their batches on a prefetch thread: there are no
+    # compute steps on it to fit decoding between, so it decodes on its loader thread instead.
+    from pipeline.ops.prefetch import prefetch
+
+    stream = make_stream(2, cpu_work="between_steps", threads=3)
+    seen: set[str] = set()
+    decode = stream.data.splits["train"].decode
+
+    def recording(raw: np.ndarray) -> np.ndarray:
+        seen.add(threading.current_thread().name)
+        return decode(raw)
+
+    stream.data.splits["train"].decode = recording  # type: ignore[method-assign]
+    batches = list(prefetch(stream.open("train", epoch=1, shuffle=True, seed=4), 2, name="consumer"))
+    assert seen == {"decode-train"}  # the stream's own loader thread, not a decode-train_N pool thread
+    direct = list(make_stream(0).open("train", epoch=1, shuffle=True, seed=4))
+    for a, b in zip(batches, direct, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("x", "y", "id"))
 
 
 def test_unknown_placement_is_rejected() -> None:
