@@ -101,9 +101,7 @@ class FileSampleSet(SampleSet):
             raise DataError(f"{name}: {len(paths)} files but {len(self.labels)} labels")
         self.paths = list(paths)
 
-    @property
-    def decodes(self) -> bool:
-        return True
+    decodes = True
 
     def _read(self, idx: np.ndarray) -> Sequence[tuple[Path, bytes]]:
         return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]

@@ -81,6 +81,9 @@ class SampleSet(ABC):
     class names, validation, subsets and the full identity are handled here once.
     """
 
+    #: True when :meth:`decode` does real CPU work (image decoding, generation), worth spreading.
+    decodes: bool = False
+
     def __init__(self, labels: np.ndarray | Sequence[int], class_names: Sequence[str], *, name: str) -> None:
         self.name = name
         self.class_names: list[str] = [str(c) for c in class_names]
@@ -115,11 +118,6 @@ class SampleSet(ABC):
     # Loading in two halves, for callers that schedule storage and CPU work apart (the decode
     # stage reads files ahead on a background thread and decodes them on every core between
     # compute steps): ``decode(read(idx))`` is ``load(idx)``.
-    @property
-    def decodes(self) -> bool:
-        """True when :meth:`decode` does real CPU work (image decoding, generation), worth spreading."""
-        return False
-
     def read(self, idx: np.ndarray | Sequence[int]) -> Sequence[Any]:
         """The storage half of loading samples ``idx``: one raw item per sample, sliceable by sample."""
         return self._read(_as_index(idx, len(self), self.name))
@@ -224,9 +222,7 @@ class GeneratedSampleSet(SampleSet):
         self._generate = generate
         self._content_id = content_id
 
-    @property
-    def decodes(self) -> bool:
-        return True
+    decodes = True
 
     def _read(self, idx: np.ndarray) -> Sequence[Any]:
         return idx  # nothing is stored: generation is the CPU half
@@ -255,12 +251,9 @@ class SubsetSampleSet(SampleSet):
             parent = parent.parent
         super().__init__(labels, class_names, name=name)
         self.parent = parent
+        self.decodes = parent.decodes
         self.indices = np.asarray(indices, np.int64)
         self.indices.setflags(write=False)
-
-    @property
-    def decodes(self) -> bool:
-        return self.parent.decodes
 
     def _read(self, idx: np.ndarray) -> Sequence[Any]:
         return self.parent._read(self.indices[idx])

@@ -273,7 +273,7 @@ def build_on_dask(
                             "default), which can halve torch's CPU speed; start them without it (remove it "
                             "from distributed.nanny.pre-spawn-environ in their Dask config)"
                         )
-                    if job.keep_heap and not result.get("heap_kept", True) and not warned_heap:
+                    if job.keep_heap and not result["heap_kept"] and not warned_heap:
                         warned_heap = True
                         log(
                             f"warning: {HEAP_ENV}=1 could not be applied on worker {result['worker']} (it "

@@ -256,12 +256,12 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
         "worker": where(),
         # Dask's nanny default; slows torch down (see dask_build.start_local_cluster): the client says so.
         "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+        "heap_kept": heap_kept(),  # the client warns when it asked for this and did not get it
     }
     if kept == part.num_chunks:
         result["seconds"] = time.perf_counter() - start
         return result
     stream, result["upstream_seconds"] = upstream(job)
-    result["heap_kept"] = heap_kept()  # the client warns when it asked for this and did not get it
     root = zarr.open_group(store=DurableLocalStore(zarr_dir), mode="r+", zarr_format=3)
     fields = sorted(stream.spec.splits[part.split].fields)
     arrays = {f: _writable(root, f"{part.split}/{f}", zarr_dir) for f in fields}

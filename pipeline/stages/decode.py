@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-#: Where decoding and input augmentation run (see DatasetStream); "auto" picks by device.
-CPU_WORK = ("background", "between_steps")
+#: Where decoding and input augmentation run (see DatasetStream); a recipe may also say "auto".
+CpuWork = Literal["background", "between_steps"]
+CPU_WORK: tuple[str, ...] = get_args(CpuWork)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -182,7 +183,7 @@ class Decode(Stage):
     augment: AugmentConfig | None = None
     batch_size: int = Field(64, ge=1)
     prefetch: int = Field(2, ge=0, description="batches read ahead by a background thread")
-    cpu_work: Literal["auto", "background", "between_steps"] = Field(
+    cpu_work: Literal["auto", CpuWork] = Field(
         "auto",
         description="where decoding and augmentation run: 'background' (prefetch thread, beside compute), "
         "'between_steps' (on decode_threads threads when a batch is taken; files still read ahead); "
