@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
-from pipeline.data.image_folder import SkippedSamplesWarning
+from pipeline.data.image_folder import SkippedSamplesWarning, _decode_jpeg, decode_image
 from pipeline.data.sources import image_folder
 from pipeline.errors import DataError, MissingPathError
 
@@ -176,3 +177,47 @@ def test_file_gone_after_indexing_is_named_at_read(tmp_path: Path) -> None:
     gone.unlink()
     with pytest.raises(DataError, match=rf"{gone}: cannot read image file: FileNotFoundError"):
         s.read(np.array([1]))
+
+
+def _pil_pixels(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as im:
+        im = ImageOps.exif_transpose(im)
+        return np.asarray(im.convert("L"))[:, :, None] if im.mode == "L" else np.asarray(im.convert("RGB"))
+
+
+JPEG_VARIANTS = {
+    "4:2:0": dict(subsampling=2),
+    "4:2:2": dict(subsampling=1),
+    "4:4:4": dict(subsampling=0),
+    "progressive": dict(progressive=True),
+    "restart markers, odd size": dict(restart_marker_blocks=1),
+    "grayscale": dict(mode="L"),
+    "cmyk": dict(mode="CMYK"),
+    "exif rotated": dict(exif_orientation=8),
+    "exif upright": dict(exif_orientation=1),
+}
+
+
+@pytest.mark.parametrize("variant", list(JPEG_VARIANTS))
+def test_jpeg_pixels_equal_pils_whichever_path_decodes(variant: str) -> None:
+    """The fast JPEG path must give PIL's exact pixels: cached features must not depend on the decoder."""
+    opts = dict(JPEG_VARIANTS[variant])
+    mode = opts.pop("mode", "RGB")
+    orientation = opts.pop("exif_orientation", None)
+    rng = np.random.default_rng(1)
+    size = (37, 53) if "odd" in variant else (48, 64)
+    smooth = np.linspace(0, 255, size[0] * size[1] * 3).reshape(*size, 3)
+    array = np.clip(smooth + rng.normal(0, 30, smooth.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        opts["exif"] = exif
+    Image.fromarray(array).convert(mode).save(buf, format="JPEG", quality=90, **opts)
+    data = buf.getvalue()
+    fast = _decode_jpeg(data)
+    # Which path decodes: colour spaces PIL converts itself and rotated images stay with PIL.
+    assert (fast is None) == (variant in ("cmyk", "exif rotated"))
+    pixels = decode_image(Path(f"{variant}.jpg"), data)
+    np.testing.assert_array_equal(pixels, _pil_pixels(data))
+    assert pixels.dtype == np.uint8 and pixels.shape[2] == (1 if mode == "L" else 3)
