@@ -297,8 +297,8 @@ def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path) -> 
 
 
 def main() -> None:
-    # As the CLI does: with ONDEVICE_TL_KEEP_HEAP=1 the heap keeps freed buffers (pipeline/heap.py);
-    # that run writes its own result file, so both configurations stay on record.
+    # As the CLI does: the heap keeps freed buffers unless ONDEVICE_TL_KEEP_HEAP=0 (pipeline/heap.py);
+    # an opted-out run writes its own result file, so both configurations stay on record.
     keep_heap = keep_freed_heap_requested() and keep_freed_heap()
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=512, help="training samples per epoch")
@@ -333,11 +333,11 @@ def main() -> None:
         ),
     }
     path = write_result(
-        "cache_reuse_epoch_time_keep_heap" if keep_heap else "cache_reuse_epoch_time",
+        "cache_reuse_epoch_time" if keep_heap else "cache_reuse_epoch_time_malloc_defaults",
         {
             "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
             "cache build throughput",
-            "command": ("ONDEVICE_TL_KEEP_HEAP=1 " if keep_heap else "")
+            "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
                 f"--{k} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
@@ -362,7 +362,9 @@ def main() -> None:
                 "chunking": "each split's chunks about chunk_bytes (1 MiB) of its own samples",
                 "torch_threads": 2,
                 "isolation": "each cut measured in a fresh (spawned) process",
-                "malloc": "keep_freed_heap (ONDEVICE_TL_KEEP_HEAP=1)" if keep_heap else "glibc defaults",
+                "malloc": "keep_freed_heap (the default)"
+                if keep_heap
+                else "glibc defaults (ONDEVICE_TL_KEEP_HEAP=0)",
             },
             "rows": rows,
             "targets": targets,

@@ -360,7 +360,7 @@ def render_cache_reuse_epoch_time(result: Result) -> Rendered:
     )
     return Rendered(
         title="Cache & Reuse: epoch time, single-stage vs two-stage vs compute limit"
-        + (f" ({settings['malloc']})" if "keep_freed_heap" in settings.get("malloc", "") else ""),
+        + (f" ({settings['malloc']})" if "glibc" in settings.get("malloc", "") else ""),
         headline=headline,
         body=body,
         figures=[("epoch_seconds", "Seconds per epoch (log scale)", fig)],
@@ -1296,7 +1296,7 @@ def render_neuroflux(result: Result) -> Rendered:
 
 RENDERERS: dict[str, Callable[..., Rendered]] = {
     "cache_reuse_epoch_time": render_cache_reuse_epoch_time,
-    "cache_reuse_epoch_time_keep_heap": render_cache_reuse_epoch_time,
+    "cache_reuse_epoch_time_malloc_defaults": render_cache_reuse_epoch_time,
     "cache_reuse_fashion_table4": render_cache_reuse_fashion_table4,
     "codec": render_codec,
     "dask_build": render_dask_build,
