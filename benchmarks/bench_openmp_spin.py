@@ -39,6 +39,8 @@ from benchmarks.bench_cache_reuse import write_image_folder
 # setting name -> environment it runs with (everything else about OpenMP unset)
 SETTINGS = {
     "libgomp_default": {"GOMP_SPINCOUNT": "300000"},
+    "spincount_100000": {"GOMP_SPINCOUNT": "100000"},
+    "spincount_30000": {"GOMP_SPINCOUNT": "30000"},
     "spincount_10000": {"GOMP_SPINCOUNT": "10000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
@@ -50,6 +52,8 @@ import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
+from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
+kept = keep_freed_heap_requested() and keep_freed_heap()  # as the CLI sets up a run
 import torch
 from pipeline.data.image_folder import decode_image
 from pipeline.models.zoo import build_backbone, split_at
@@ -102,7 +106,7 @@ for _ in range(batches):
     step()
 train = time.perf_counter() - t0
 print(json.dumps({"forward_s": fwd / batches, "decode_after_forward_s": dec / batches,
-                  "decode_idle_s": idle / batches, "train_step_s": train / batches}))
+                  "decode_idle_s": idle / batches, "train_step_s": train / batches, "heap_kept": kept}))
 """
 
 
@@ -157,6 +161,9 @@ def main() -> None:
                 "train_step": "last 7 blocks + classifier, forward + backward + AdamW step",
                 "statistic": "median over repeats; *_vs_default: median of per-round ratios to "
                 "libgomp_default",
+                "malloc": "keep_freed_heap (the default)"
+                if all(run["heap_kept"] for rs in runs.values() for run in rs)
+                else "glibc defaults (ONDEVICE_TL_KEEP_HEAP=0)",
             },
             "rows": rows,
             "runs": runs,

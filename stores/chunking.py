@@ -203,6 +203,10 @@ class ChunkedWriter:
             rest = len(data) - pos
             self._buffer(name)[:rest] = data[pos:]
             self._filled[name] = rest
+        # An array's short last chunk waits for nothing once its last sample is in: write it now
+        # (a cache build's writer thread does so while later splits compute) rather than in close().
+        if self._filled[name] and self.received(name) == self.num_samples[split_name(name)[0]]:
+            self._flush(name)
 
     def _buffer(self, name: str) -> np.ndarray:
         if name not in self._buffers:

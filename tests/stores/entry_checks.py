@@ -105,6 +105,26 @@ def record_slice_writes(
     return writes
 
 
+def check_tail_written_with_last_sample(
+    writer_class: Any, path: Path, writes: dict[str, list[tuple[int, int]]], key: Callable[[str], str]
+) -> None:
+    """Train's short last chunk is written by the batch that completes train, not at close();
+    val (10 samples, chunks of 4) writes nothing while its first chunk is still filling."""
+    def zeros(name: str, n: int) -> np.ndarray:
+        return np.zeros((n, *SPECS[name].sample_shape), SPECS[name].dtype)
+
+    with writer_class(path, SPECS, {"train": 23, "val": 10}, 4, ATTRS) as writer:
+        for start in range(0, 23, 5):
+            n = min(5, 23 - start)
+            writer.write("train", {"codes": zeros("train/codes", n), "labels": zeros("train/labels", n)})
+        for name in ("train/codes", "train/labels"):
+            assert writes[key(name)] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 23)]
+        writer.write("val", {"features": zeros("val/features", 3)})
+        assert key("val/features") not in writes
+        writer.write("val", {"features": zeros("val/features", 7)})
+        assert writes[key("val/features")] == [(0, 4), (4, 8), (8, 10)]
+
+
 def check_too_few_samples(writer: Any) -> None:
     """``writer`` of SPECS with {"train": 10, "val": 3}: one val sample short, close() names it."""
     writer.write("train", {"codes": np.zeros((10, 2, 3), np.uint8), "labels": np.arange(10)})

@@ -70,6 +70,13 @@ def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.M
     assert by_array["/val/features"] == [(0, 4), (4, 8), (8, 10)]
 
 
+def test_a_groups_short_last_chunk_is_written_with_its_last_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = entry_checks.record_slice_writes(monkeypatch, h5py.Dataset, lambda dset: dset.name)
+    path = tmp_path / "entry.h5"
+    entry_checks.check_tail_written_with_last_sample(H5Writer, path, writes, lambda name: f"/{name}")
+
 @pytest.mark.parametrize("compressor", ["gzip", "lzf", "none"])
 def test_flipped_byte_is_reported_with_chunk(tmp_path: Path, compressor: str) -> None:
     file = tmp_path / "e.h5"

@@ -53,6 +53,13 @@ def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.M
     assert by_array["val/features"] == [(0, 4), (4, 8), (8, 10)]
 
 
+def test_a_groups_short_last_chunk_is_written_with_its_last_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = entry_checks.record_slice_writes(monkeypatch, zarr.Array, lambda arr: arr.path)
+    entry_checks.check_tail_written_with_last_sample(ZarrWriter, tmp_path, writes, lambda name: name)
+
+
 def test_flipped_byte_is_reported_with_chunk(tmp_path: Path) -> None:
     write_entry(tmp_path, {"train": 23, "val": 10}, chunk=4, batch=3)
     chunk_file = tmp_path / "train" / "codes" / "c" / "2" / "0" / "0"
