@@ -208,7 +208,10 @@ class Runner:
         return stage.load(self.ctx, held.entry, name), 0 if reused else entry.size_bytes, reused
 
     def release(self) -> None:
-        """Let go of the entries this run was reading (they become evictable again)."""
+        """Stop streams reading ahead, and let go of the entries this run was reading (evictable again)."""
+        for value in self._outputs.values():
+            if isinstance(value, Stream):
+                value.close()
         while self._held:
             self._held.pop().release()
 

@@ -51,6 +51,9 @@ class Stream:
         """Bytes of stored entries this stream reads from (0 when computed on the fly)."""
         return 0
 
+    def close(self) -> None:
+        """Stop work this stream started ahead of being asked (a run calls it when done with it)."""
+
 
 def samples_from(stream: Stream, split: str, start: int, batch_period: int = 1) -> Iterator[Batch]:
     """Samples ``start`` on of ``split`` (unshuffled), batched as a pass from sample 0 batches them.

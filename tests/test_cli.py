@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,14 @@ def test_first_run_computes_and_writes_outputs(quick_runs: dict[str, Path]) -> N
     assert 0.0 <= m["accuracy"] <= 1.0
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in lines} >= {"backbone", "two_stage", "baseline"}
+
+
+def test_finished_runs_leave_no_reader_threads(quick_runs: dict[str, Path]) -> None:
+    # The cache reader reads on into a next training epoch; the run stops it when it ends.
+    deadline = time.monotonic() + 5
+    while left := [t.name for t in threading.enumerate() if t.name.startswith(("fetch-", "decode-"))]:
+        assert time.monotonic() < deadline, f"threads still reading after the runs: {left}"
+        time.sleep(0.01)
 
 
 def test_second_run_reuses_backbone_and_cache(quick_runs: dict[str, Path]) -> None:

@@ -24,7 +24,7 @@ from ..lazy import lazy_module
 from ..spec import FieldSpec, Spec, SplitSpec
 from ..stream import Stream, StreamStats, samples_from
 from .batching import Batch
-from .prefetch import prefetch
+from .prefetch import StartedPrefetch, prefetch
 from .shuffle import window_shuffle
 
 if TYPE_CHECKING:
@@ -232,6 +232,32 @@ def open_entry_reader(entry_dir: Path, *, throttle: str | None = None) -> Any:
     return zarr_entry.ZarrReader(entry_dir / ZARR_DIR, zarr_store=store)
 
 
+def _fetch_chunks(reader: Any, split: str, order: np.ndarray) -> Iterator[tuple[Any, float]]:
+    """The encoded bytes of each chunk of ``split`` in ``order``, with the seconds each read took."""
+    for index in order:
+        t0 = time.perf_counter()
+        raw = reader.fetch_chunk(split, int(index))
+        yield raw, time.perf_counter() - t0
+
+
+def _decode_chunks(reader: Any, stats: StreamStats, fetched: Iterator[tuple[Any, float]]) -> Iterator[Batch]:
+    """Fetched chunks checked, decompressed and turned into tensors."""
+    try:
+        for raw, fetch_s in fetched:
+            t0 = time.perf_counter()
+            arrays = reader.decode_chunk(raw)
+            del raw  # the encoded bytes are not held while this batch waits in the queue
+            batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+            stats.add(fetch_s + time.perf_counter() - t0, len(next(iter(batch.values()))))
+            yield batch
+    finally:
+        # Stop the fetch thread now: a decode error's traceback (kept by the caller) would
+        # otherwise keep the fetch stage alive, blocked on its full queue.
+        close = getattr(fetched, "close", None)
+        if close is not None:
+            close()
+
+
 class StoredStream(Stream):
     """A committed cache entry read as a stream.
 
@@ -253,6 +279,14 @@ class StoredStream(Stream):
     every queued chunk, fetched or decoded, at its decoded size: zstd/blosc store
     incompressible blocks raw, so an encoded chunk is at most frame headers and a
     checksum larger (``_ENCODED_SLACK``, which :meth:`memory_bound` adds).
+
+    A shuffled (training) pass that is read to its end **reads on into the next epoch**:
+    once its last chunk is read, the next epoch's reading starts, so that epoch's first
+    chunks are read while this one's last batches train and the model is evaluated,
+    instead of after the trainer asks for its first batch (on slow storage, the wait for
+    a shuffle window to fill). Only one reader runs at a time (this epoch's has finished),
+    so the bound above holds. The next ``open`` of that split and seed takes it over if it
+    asks for that epoch; any other epoch, :meth:`close` or dropping the stream stops it.
     """
 
     def __init__(
@@ -276,6 +310,9 @@ class StoredStream(Stream):
         self.prefetch_depth = prefetch_depth
         self.window_chunks = window_chunks
         self.stats = StreamStats()
+        # (split, seed) -> (epoch, its chunks already being read): see "reads on" above.
+        self._read_on: dict[tuple[str, int], tuple[int, StartedPrefetch[Batch]]] = {}
+        self._read_on_lock = threading.Lock()
 
     def stored_bytes(self) -> int:
         return self.size_bytes
@@ -318,35 +355,62 @@ class StoredStream(Stream):
         window = self.window_chunks * self.chunk_bytes(split) if shuffle else 0
         return (fetched + decoded + in_flight) * per + window
 
-    def _fetch(self, split: str, order: np.ndarray) -> Iterator[tuple[Any, float]]:
-        for index in order:
-            t0 = time.perf_counter()
-            raw = self.reader.fetch_chunk(split, int(index))
-            yield raw, time.perf_counter() - t0
-
-    def _decode(self, fetched: Iterator[tuple[Any, float]]) -> Iterator[Batch]:
-        try:
-            for raw, fetch_s in fetched:
-                t0 = time.perf_counter()
-                arrays = self.reader.decode_chunk(raw)
-                del raw  # the encoded bytes are not held while this batch waits in the queue
-                batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-                self.stats.add(fetch_s + time.perf_counter() - t0, len(next(iter(batch.values()))))
-                yield batch
-        finally:
-            # Stop the fetch thread now: a decode error's traceback (kept by the caller) would
-            # otherwise keep the fetch stage alive, blocked on its full queue.
-            close = getattr(fetched, "close", None)
-            if close is not None:
-                close()
-
-    def _chunks(self, split: str, order: np.ndarray) -> Iterator[Batch]:
-        """Decoded chunks in ``order``, read ahead by the fetch and decode threads."""
+    def _chunks(self, split: str, order: np.ndarray, *, start_now: bool = False) -> Iterator[Batch]:
+        """Decoded chunks in ``order``, read ahead by the fetch and decode threads (started now if asked)."""
         fetched, decoded = self.stage_depths(split)
-        raw: Iterator[tuple[Any, float]] = self._fetch(split, order)
+        # Module-level generators: the reader threads hold the reader, never this stream, so a
+        # stream nobody uses any more is collected and its __del__ stops a pending read-on.
+        raw: Iterator[tuple[Any, float]] = _fetch_chunks(self.reader, split, order)
         if fetched:
             raw = prefetch(raw, fetched, name=f"fetch-{split}")
-        return prefetch(self._decode(raw), decoded, name=f"decode-{split}")
+        chunks = _decode_chunks(self.reader, self.stats, raw)
+        if start_now:
+            return StartedPrefetch(chunks, decoded, name=f"decode-{split}")
+        return prefetch(chunks, decoded, name=f"decode-{split}")
+
+    def _shuffled_order(self, split: str, seed: int, epoch: int) -> np.ndarray:
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        return torch.randperm(self.reader.num_chunks(split), generator=gen).numpy()
+
+    def _epoch_chunks(self, split: str, seed: int, epoch: int) -> Iterator[Batch]:
+        """A shuffled epoch's chunks (taken over from the read-on when it is this epoch's); read
+        to the end, they start the next epoch's reading."""
+        with self._read_on_lock:
+            ahead = self._read_on.pop((split, seed), None)
+        if ahead is not None and ahead[0] == epoch:
+            chunks: Iterator[Batch] = ahead[1]
+        else:
+            if ahead is not None:
+                ahead[1].close()
+            chunks = self._chunks(split, self._shuffled_order(split, seed, epoch))
+        try:
+            yield from chunks
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        # Only reached when the epoch was read to its end (an abandoned one raised GeneratorExit above).
+        if self.read_ahead(split) > 0:
+            following = self._chunks(split, self._shuffled_order(split, seed, epoch + 1), start_now=True)
+            with self._read_on_lock:
+                stale = self._read_on.pop((split, seed), None)
+                self._read_on[(split, seed)] = (epoch + 1, following)  # type: ignore[assignment]
+            if stale is not None:
+                stale[1].close()
+
+    def close(self) -> None:
+        """Stop any reading on into a next epoch (the epoch may never be asked for)."""
+        with self._read_on_lock:
+            pending = list(self._read_on.values())
+            self._read_on.clear()
+        for _, chunks in pending:
+            chunks.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the daemon threads go with the process
+            pass
 
     def open(
         self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0, start: int = 0
@@ -356,12 +420,10 @@ class StoredStream(Stream):
         if shuffle:
             if start:
                 raise ValueError("start (resume) is only defined for the unshuffled order")
-            gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
-            order = torch.randperm(n_chunks, generator=gen).numpy()
+            chunks = self._epoch_chunks(split, seed, epoch)
         else:
             per = self.reader.chunk_samples(split)
-            order = np.arange(start // per, n_chunks)
-        chunks = self._chunks(split, order)
+            chunks = self._chunks(split, np.arange(start // per, n_chunks))
         if not shuffle:
             skip = start % self.reader.chunk_samples(split)
             for batch in chunks:

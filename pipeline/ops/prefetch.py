@@ -37,32 +37,34 @@ class _Failure:
         self.exc = exc
 
 
-def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> Iterator[T]:
-    if depth <= 0:
-        yield from items
-        return
-    q: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class _Producer:
+    """The thread and bounded queue behind :func:`prefetch`: runs from construction until :meth:`close`."""
 
-    def put(item: object) -> bool:
+    def __init__(self, items: Iterable[object], depth: int, name: str) -> None:
+        self.q: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, args=(items,), name=name, daemon=True)
+        self.thread.start()
+
+    def _put(self, item: object) -> bool:
         """Queue ``item``; False once the consumer has gone (the producer then stops)."""
-        while not stop.is_set():
+        while not self.stop.is_set():
             try:
-                q.put(item, timeout=0.1)
-                return not stop.is_set()
+                self.q.put(item, timeout=0.1)
+                return not self.stop.is_set()
             except queue.Full:
                 continue
         return False
 
-    def produce() -> None:
+    def _produce(self, items: Iterable[object]) -> None:
         _role.producer = True
         try:
             for item in items:
-                if not put(item):
+                if not self._put(item):
                     return
-            put(_DONE)
+            self._put(_DONE)
         except BaseException as exc:  # forwarded to the consumer, which re-raises it
-            put(_Failure(exc))
+            self._put(_Failure(exc))
         finally:
             # Close a generator source now, on this thread, so a chained prefetch (fetch ->
             # decode -> consumer) stops its own thread too instead of waiting for the GC.
@@ -70,26 +72,55 @@ def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> I
             if close is not None:
                 close()
 
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
+    def items(self) -> Iterator[object]:
         while True:
-            item = q.get()
+            item = self.q.get()
             if item is _DONE:
                 return
             if isinstance(item, _Failure):
                 raise item.exc
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
         # Empty the queue: a producer blocked on a full queue wakes now (not at its next
         # timeout), sees ``stop`` and returns; it does not start another item.
         while True:
             try:
-                q.get_nowait()
+                self.q.get_nowait()
             except queue.Empty:
                 break
-        thread.join(timeout=5)
+        self.thread.join(timeout=5)
+
+
+def prefetch(items: Iterable[T], depth: int = 2, *, name: str = "prefetch") -> Iterator[T]:
+    if depth <= 0:
+        yield from items
+        return
+    producer = _Producer(items, depth, name)  # the thread starts at the first next()
+    try:
+        yield from producer.items()  # type: ignore[misc]
+    finally:
+        producer.close()
+
+
+class StartedPrefetch(Iterator[T]):
+    """:func:`prefetch` whose thread starts now, not at the first ``next()``: for reading ahead of a
+    consumer that will come later. :meth:`close` stops it even if it was never iterated."""
+
+    def __init__(self, items: Iterable[T], depth: int, *, name: str) -> None:
+        self._producer = _Producer(items, max(1, depth), name)
+        self._items = self._producer.items()
+
+    def __next__(self) -> T:
+        try:
+            return next(self._items)  # type: ignore[return-value]
+        except BaseException:  # exhausted or failed: the thread has nothing more to do
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._producer.close()
 
 
 _END_OF_EPOCH = object()

@@ -155,6 +155,72 @@ def test_abandoning_a_read_stops_both_threads(zarr_entry: Path) -> None:
         time.sleep(0.01)
 
 
+def reader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("fetch-", "decode-"))]
+
+
+def wait_until(condition: object, what: str) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def recording_fetches(stream: StoredStream) -> list[int]:
+    """Chunk indices of ``stream``'s train split in the order its reader fetches them."""
+    fetched: list[int] = []
+    real = stream.reader.fetch_chunk
+
+    def fetch_chunk(split: str, index: int) -> object:
+        if split == "train":
+            fetched.append(index)
+        return real(split, index)
+
+    stream.reader.fetch_chunk = fetch_chunk
+    return fetched
+
+
+def test_a_training_pass_read_to_its_end_reads_on_into_the_next_epoch(zarr_entry: Path) -> None:
+    stream = StoredStream(zarr_entry, prefetch_depth=2)
+    fetched = recording_fetches(stream)
+    n = stream.reader.num_chunks("train")
+    order = {e: stream._shuffled_order("train", 3, e).tolist() for e in (1, 2)}
+    first = read_all(stream, shuffle=True, seed=3, epoch=1)
+    # Before epoch 2 is asked for, its first chunks are being read already.
+    wait_until(lambda: len(fetched) > n, "epoch 2's first chunk was not read ahead")
+    second = read_all(stream, shuffle=True, seed=3, epoch=2)
+    assert fetched[: 2 * n] == order[1] + order[2]  # each chunk once, epoch 2's taken over as read
+    fresh = StoredStream(zarr_entry, prefetch_depth=2)
+    for epoch, got in ((1, first), (2, second)):
+        want = read_all(fresh, shuffle=True, seed=3, epoch=epoch)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    stream.close()
+    fresh.close()
+    wait_until(lambda: not reader_threads(), f"reader threads left: {reader_threads()}")
+
+
+def test_a_read_on_nobody_takes_over_is_stopped(zarr_entry: Path) -> None:
+    stream = StoredStream(zarr_entry, prefetch_depth=2)
+    reference = StoredStream(zarr_entry, prefetch_depth=0)  # no reader threads, no read-on
+    read_all(stream, shuffle=True, seed=3, epoch=1)
+    # Another epoch than the one read ahead: read afresh, the stale read-on stopped.
+    got = read_all(stream, shuffle=True, seed=3, epoch=5)
+    want = read_all(reference, shuffle=True, seed=3, epoch=5)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert set(stream._read_on) == {("train", 3)} and stream._read_on[("train", 3)][0] == 6
+    # Abandoning a pass midway reads nothing on; dropping the stream stops the read-on it had.
+    it = stream.open("train", shuffle=True, seed=4, epoch=0)
+    next(it)
+    it.close()
+    assert ("train", 4) not in stream._read_on
+    del stream
+    wait_until(lambda: not reader_threads(), f"reader threads left: {reader_threads()}")
+    # Unshuffled passes (evaluation) never read on.
+    evaluation = StoredStream(zarr_entry, prefetch_depth=2)
+    read_all(evaluation, "val")
+    assert not evaluation._read_on
+
+
 def test_chained_prefetch_forwards_errors_from_the_inner_stage() -> None:
     def source() -> Iterator[int]:
         yield 1
