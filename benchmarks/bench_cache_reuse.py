@@ -29,8 +29,10 @@ Fair comparisons, all in one process and one run:
   the median of ``--repeats`` paired repeats, each a compute-limit pass immediately
   followed by a two-stage pass from the stored cache: this host's speed swings by up to
   2x between time windows, more than the 10% the bar tests, and a pair taken close
-  together cancels most of that. The build bar is taken the same way: ``--repeats`` pairs
-  of a bare-forward pass immediately followed by a fresh build (new store), median ratio.
+  together cancels most of that; each pass of a pair runs at least ``--pair-seconds`` of
+  epochs after the first (more epochs than ``--epochs`` when an epoch is short). The build
+  bar is taken the same way: ``--repeats`` pairs of a bare-forward pass immediately
+  followed by a fresh build (new store), median ratio.
 
 Weights are random (timing does not depend on them).
 Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2]
@@ -39,6 +41,7 @@ Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bi
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import tempfile
 import time
@@ -218,10 +221,13 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         # each ratio compares two measurements taken close together; the median resists this host's
         # speed swings between time windows.
         paired, limit_s, two_s = [], [], []
-        two_only = recipe(args.samples, n, args.bits, args.epochs, args.batch, images_dir)
+        # Each paired pass runs enough epochs for --pair-seconds of steady epochs (at least --epochs):
+        # at 1 block an epoch is ~0.25 s, and two of them are too short a window to time on this host.
+        pair_epochs = max(args.epochs, 1 + math.ceil(args.pair_seconds / steady(limit_before)))
+        two_only = recipe(args.samples, n, args.bits, pair_epochs, args.batch, images_dir)
         two_only["targets"] = ["two_stage"]
         for _ in range(args.repeats):
-            limit_r, _ = compute_limit(n, train_samples, args.batch, args.epochs)
+            limit_r, _ = compute_limit(n, train_samples, args.batch, pair_epochs)
             again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
             paired.append(again["two_stage"].metrics["epoch_seconds_steady"] / steady(limit_r))
             limit_s.append(steady(limit_r))
@@ -249,6 +255,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         "two_stage_over_compute_limit_min": min(two["epoch_seconds_all"][1:] or two["epoch_seconds_all"])
         / min(limit_times[1:] or limit_times),
         "two_stage_over_compute_limit_paired": paired,
+        "paired_pass_epochs": pair_epochs,
         "two_stage_over_compute_limit_median": float(np.median(paired))
         if paired
         else two["epoch_seconds_steady"] / limit,
@@ -312,6 +319,12 @@ def main() -> None:
         default=3,
         help="paired (compute limit, two-stage) repeats for the median ratio",
     )
+    ap.add_argument(
+        "--pair-seconds",
+        type=float,
+        default=2.0,
+        help="steady-epoch seconds each paired two-stage / compute-limit pass runs at least",
+    )
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cache-reuse-images-") as tmp:
@@ -356,7 +369,8 @@ def main() -> None:
                 "epoch_statistic": "mean of epochs after the first, for two-stage and compute limit alike; "
                 "compute limit: faster of two passes (before and after the pipeline run)",
                 "two_stage_over_limit_bar": f"median over {args.repeats} paired repeats, each a "
-                "compute-limit pass immediately followed by a two-stage pass from the stored cache",
+                "compute-limit pass immediately followed by a two-stage pass from the stored cache, "
+                f"each pass at least {args.pair_seconds} s of epochs after the first (paired_pass_epochs)",
                 "build_over_bare_bar": f"median over {args.repeats} paired repeats, each a bare-forward "
                 "pass immediately followed by a fresh build of the cache in a new store",
                 "chunking": "each split's chunks about chunk_bytes (1 MiB) of its own samples",

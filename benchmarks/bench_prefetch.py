@@ -23,6 +23,9 @@ through a throttled file object; h5py reads and decodes a chunk in one call, so
 there the read-ahead is a single stage. Results: ``prefetch_sdcard.json`` (zarr),
 ``prefetch_sdcard_hdf5.json``.
 
+Also: how long a training loop's next epoch waits for its first batch when the stream
+has read on into it (see ``StoredStream``) against a cold open of the same epoch.
+
 Usage: python -m benchmarks.bench_prefetch [--samples 2048] [--profile sdcard] [--format zarr|hdf5]
 """
 
@@ -69,6 +72,9 @@ class ArrayStream(Stream):
 
 def device_of(stream: StoredStream):  # noqa: ANN201
     return stream.throttle_device
+
+
+EVALUATION_PAUSE_S = 0.5
 
 
 def epoch(stream: StoredStream, batch: int, compute_s: float, seed: int) -> tuple[float, int]:
@@ -175,6 +181,33 @@ def main() -> None:
                 f"({row['no_prefetch_over_sum']:.2f} x sum)  peak reader {with_pf[1] / 2**20:.1f} MiB "
                 f"(bound {budget / 2**20:.1f} MiB)"
             )
+        # Reading on: a trainer opens epoch e + 1 after e and an evaluation (modelled as a pause);
+        # the stream started reading e + 1 when e's last chunk was read, so its first batch is
+        # waiting. Against the same open on a fresh stream (a cold start: the shuffle window fills).
+        def first_batch_s(stream: StoredStream, seed: int, epoch_no: int) -> float:
+            t0 = time.perf_counter()
+            it = stream.open("train", epoch=epoch_no, shuffle=True, seed=seed)
+            next(it)
+            seconds = time.perf_counter() - t0
+            it.close()
+            return seconds
+
+        def fresh() -> StoredStream:
+            return StoredStream(entry, prefetch_depth=args.depth, window_chunks=args.window_chunks,
+                                throttle=args.profile, prefetch_max_bytes=max_bytes)
+
+        reading_on, cold = fresh(), fresh()
+        epoch(reading_on, args.batch, 0.0, seed=2)  # epoch 2 with seed 2, read to its end
+        time.sleep(EVALUATION_PAUSE_S)
+        next_epoch = {
+            "evaluation_pause_s": EVALUATION_PAUSE_S,
+            "first_batch_s_reading_on": first_batch_s(reading_on, 2, 3),
+            "first_batch_s_cold": first_batch_s(cold, 2, 3),
+        }
+        reading_on.close()
+        cold.close()
+        print(f"next epoch's first batch: {next_epoch['first_batch_s_reading_on'] * 1e3:.1f} ms read on "
+              f"vs {next_epoch['first_batch_s_cold'] * 1e3:.1f} ms cold")
     targets = {
         "prefetch_within_1.1x_of_max": all(r["prefetch_over_bound"] <= 1.1 for r in rows),
         "reader_memory_within_budget_plus_constant": all(
@@ -200,6 +233,7 @@ def main() -> None:
                 "+ 1 MiB constant",
             },
             "rows": rows,
+            "next_epoch_first_batch": next_epoch,
             "targets": targets,
         },
     )

@@ -285,8 +285,9 @@ class StoredStream(Stream):
     chunks are read while this one's last batches train and the model is evaluated,
     instead of after the trainer asks for its first batch (on slow storage, the wait for
     a shuffle window to fill). Only one reader runs at a time (this epoch's has finished),
-    so the bound above holds. The next ``open`` of that split and seed takes it over if it
-    asks for that epoch; any other epoch, :meth:`close` or dropping the stream stops it.
+    so the bound above holds. The next ``open`` of that split takes it over if it asks for
+    that epoch with that seed; any other open of the split, :meth:`close` or dropping the
+    stream stops it (a wrong guess costs at most the read-ahead's few chunks).
     """
 
     def __init__(
@@ -310,8 +311,8 @@ class StoredStream(Stream):
         self.prefetch_depth = prefetch_depth
         self.window_chunks = window_chunks
         self.stats = StreamStats()
-        # (split, seed) -> (epoch, its chunks already being read): see "reads on" above.
-        self._read_on: dict[tuple[str, int], tuple[int, StartedPrefetch[Batch]]] = {}
+        # split -> (seed, epoch, its chunks already being read): see "reads on" above.
+        self._read_on: dict[str, tuple[int, int, StartedPrefetch[Batch]]] = {}
         self._read_on_lock = threading.Lock()
 
     def stored_bytes(self) -> int:
@@ -372,16 +373,22 @@ class StoredStream(Stream):
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
         return torch.randperm(self.reader.num_chunks(split), generator=gen).numpy()
 
+    def _take_read_on(self, split: str, seed: int | None = None, epoch: int | None = None) -> Any:
+        """The read-on of ``split`` if it reads ``epoch`` with ``seed`` (else None); any other is stopped."""
+        with self._read_on_lock:
+            ahead = self._read_on.pop(split, None)
+        if ahead is None:
+            return None
+        if ahead[:2] == (seed, epoch):
+            return ahead[2]
+        ahead[2].close()
+        return None
+
     def _epoch_chunks(self, split: str, seed: int, epoch: int) -> Iterator[Batch]:
         """A shuffled epoch's chunks (taken over from the read-on when it is this epoch's); read
         to the end, they start the next epoch's reading."""
-        with self._read_on_lock:
-            ahead = self._read_on.pop((split, seed), None)
-        if ahead is not None and ahead[0] == epoch:
-            chunks: Iterator[Batch] = ahead[1]
-        else:
-            if ahead is not None:
-                ahead[1].close()
+        chunks = self._take_read_on(split, seed, epoch)
+        if chunks is None:
             chunks = self._chunks(split, self._shuffled_order(split, seed, epoch))
         try:
             yield from chunks
@@ -393,17 +400,17 @@ class StoredStream(Stream):
         if self.read_ahead(split) > 0:
             following = self._chunks(split, self._shuffled_order(split, seed, epoch + 1), start_now=True)
             with self._read_on_lock:
-                stale = self._read_on.pop((split, seed), None)
-                self._read_on[(split, seed)] = (epoch + 1, following)  # type: ignore[assignment]
+                stale = self._read_on.pop(split, None)
+                self._read_on[split] = (seed, epoch + 1, following)  # type: ignore[assignment]
             if stale is not None:
-                stale[1].close()
+                stale[2].close()
 
     def close(self) -> None:
         """Stop any reading on into a next epoch (the epoch may never be asked for)."""
         with self._read_on_lock:
             pending = list(self._read_on.values())
             self._read_on.clear()
-        for _, chunks in pending:
+        for *_, chunks in pending:
             chunks.close()
 
     def __del__(self) -> None:
@@ -422,6 +429,7 @@ class StoredStream(Stream):
                 raise ValueError("start (resume) is only defined for the unshuffled order")
             chunks = self._epoch_chunks(split, seed, epoch)
         else:
+            self._take_read_on(split)  # an unshuffled pass of the split: not the epoch read ahead
             per = self.reader.chunk_samples(split)
             chunks = self._chunks(split, np.arange(start // per, n_chunks))
         if not shuffle:
