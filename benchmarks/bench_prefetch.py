@@ -135,17 +135,16 @@ def main() -> None:
         decode_s, _ = epoch(plain, args.batch, 0.0, seed=0)  # CPU: read from page cache + decompress
         batches = -(-args.samples // args.batch)
         max_bytes = args.depth * chunk_bytes
+
+        def throttled(depth: int) -> StoredStream:
+            return StoredStream(entry, prefetch_depth=depth, window_chunks=args.window_chunks,
+                                throttle=args.profile, prefetch_max_bytes=max_bytes)
+
         for setting, compute_total in (("io_bound", 0.35 * io_s), ("compute_bound", 1.6 * io_s)):
             per_batch = compute_total / batches
             measured = {}
             for depth in (0, args.depth):
-                stream = StoredStream(
-                    entry,
-                    prefetch_depth=depth,
-                    window_chunks=args.window_chunks,
-                    throttle=args.profile,
-                    prefetch_max_bytes=max_bytes,
-                )
+                stream = throttled(depth)
                 epoch(stream, args.batch, per_batch, seed=0)  # warm: imports, allocator
                 seconds, peak = epoch(stream, args.batch, per_batch, seed=1)
                 measured[depth] = (seconds, peak, stream)
@@ -192,11 +191,7 @@ def main() -> None:
             it.close()
             return seconds
 
-        def fresh() -> StoredStream:
-            return StoredStream(entry, prefetch_depth=args.depth, window_chunks=args.window_chunks,
-                                throttle=args.profile, prefetch_max_bytes=max_bytes)
-
-        reading_on, cold = fresh(), fresh()
+        reading_on, cold = throttled(args.depth), throttled(args.depth)
         epoch(reading_on, args.batch, 0.0, seed=2)  # epoch 2 with seed 2, read to its end
         time.sleep(EVALUATION_PAUSE_S)
         next_epoch = {

@@ -203,8 +203,8 @@ class ChunkedWriter:
             rest = len(data) - pos
             self._buffer(name)[:rest] = data[pos:]
             self._filled[name] = rest
-        # An array's short last chunk waits for nothing once its last sample is in: write it now
-        # (a cache build's writer thread does so while later splits compute) rather than in close().
+        # An array's short last chunk waits for nothing once its last sample is in: write it now (a
+        # cache build's writer thread does so while later splits compute; HDF5 writes it in its row).
         if self._filled[name] and self.received(name) == self.num_samples[split_name(name)[0]]:
             self._flush(name)
 
@@ -218,12 +218,6 @@ class ChunkedWriter:
     def _flush(self, name: str) -> None:
         self._emit(name, self._buffers[name][: self._filled[name]])
         self._filled[name] = 0
-
-    def _flush_buffers(self) -> None:
-        """Emit every array's buffered (short last) chunk."""
-        for name in self.specs:
-            if self._filled[name]:
-                self._flush(name)
 
     def _check_complete(self) -> None:
         """Raise :class:`EntryWriteError` naming every array that did not get its group's sample count."""

@@ -392,11 +392,6 @@ class H5Writer(ChunkedWriter):
     def _after_batch(self, group: str) -> None:
         self._drain(group)
 
-    def _append(self, name: str, data: np.ndarray) -> None:
-        super()._append(name, data)
-        if self._filled[name] and self.received(name) == self.num_samples[split_name(name)[0]]:
-            self._flush(name)  # the group's short last chunk: written in its row, not at close()
-
     def _emit(self, name: str, chunk: np.ndarray) -> None:
         """Hold a whole chunk until its row is complete (a copy: the caller may reuse its array)."""
         self._pending[name].append(np.array(chunk, dtype=self.specs[name].dtype, order="C"))
@@ -408,7 +403,8 @@ class H5Writer(ChunkedWriter):
             self._write_row(group, data={name: self._pending[name].pop(0) for name in members})
 
     def close(self) -> None:
-        """Flush the last (possibly short) chunks, mark the file complete; raise if any count is off.
+        """Mark the file complete (every chunk, the short last ones too, is written by now); raise if any
+        count is off.
 
         On success the progress log is removed (it is not part of the entry).
         """
@@ -417,7 +413,6 @@ class H5Writer(ChunkedWriter):
         self._closed = True
         try:
             self._check_complete()
-            self._flush_buffers()
             for group in self.groups:
                 self._drain(group)
             self._h5.attrs[_ATTR_COMPLETE] = True

@@ -540,12 +540,12 @@ class ZarrWriter(ChunkedWriter):
         return done
 
     def close(self) -> None:
-        """Flush the last (possibly short) chunks; raise if any array's sample count is off."""
+        """Finish writing: raise if any array's sample count is off (its chunks, the short last ones
+        too, were written as their samples arrived)."""
         if self._closed:
             return
         self._closed = True
         self._check_complete()
-        self._flush_buffers()
         self._buffers.clear()
 
     def _abandon(self) -> None:

@@ -77,11 +77,16 @@ _DIRECT_JPEG = {"YCbCr": "RGB", "RGB": "RGB", "Gray": "GRAY"}
 _EXIF_HEAD = 1 << 16
 
 
+def _rotated(im: Image.Image) -> bool:
+    """True when the image's EXIF orientation asks for a rotation or flip before display."""
+    return im.getexif().get(ExifTags.Base.Orientation, 1) != 1
+
+
 def _exif_rotated(data: bytes) -> bool:
-    if b"Exif\x00\x00" not in data[:_EXIF_HEAD]:
+    if data.find(b"Exif\x00\x00", 0, _EXIF_HEAD) < 0:  # find with bounds: no copy of the head
         return False
     with Image.open(io.BytesIO(data)) as im:  # header only, no pixels
-        return im.getexif().get(ExifTags.Base.Orientation, 1) != 1
+        return _rotated(im)
 
 
 def _decode_jpeg(data: bytes) -> np.ndarray | None:
@@ -111,7 +116,7 @@ def decode_image(path: Path, data: bytes) -> np.ndarray:
         return pixels
     try:
         with Image.open(io.BytesIO(data)) as im:
-            if im.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            if _rotated(im):
                 return _to_array(ImageOps.exif_transpose(im))
             return _to_array(im)
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ... for broken files

@@ -373,7 +373,9 @@ class StoredStream(Stream):
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
         return torch.randperm(self.reader.num_chunks(split), generator=gen).numpy()
 
-    def _take_read_on(self, split: str, seed: int | None = None, epoch: int | None = None) -> Any:
+    def _take_read_on(
+        self, split: str, seed: int | None = None, epoch: int | None = None
+    ) -> StartedPrefetch[Batch] | None:
         """The read-on of ``split`` if it reads ``epoch`` with ``seed`` (else None); any other is stopped."""
         with self._read_on_lock:
             ahead = self._read_on.pop(split, None)
