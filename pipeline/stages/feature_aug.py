@@ -53,10 +53,12 @@ def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) ->
 
     Output pixel (r, c) of sample i is input pixel (r + dy_i - p, c' + dx_i - p), where
     c' is c or its mirror, and zero when that falls in the padding. One ``gather`` over
-    the flattened H*W plane does every sample's crop and flip at once, then the padding
-    is zeroed in place: one pass over the maps instead of pad + NHWC gather + copy back
-    (about twice as fast), which matters because at a late cut this runs on the
-    trainer's critical path every step.
+    the flattened H*W plane does every sample's crop and flip at once: this runs on the
+    trainer's critical path every step. Padding reads a zero appended to each plane
+    rather than being zeroed afterwards: the append is a plain copy, while a masked fill
+    broadcast over the channels cost as much again as the gather (1.0 vs 0.2 ms for 134
+    maps of 320x7x7), and unlike multiplying by a 0/1 mask it stays exactly zero next to
+    inf or nan.
     """
     n, c, h, w = x.shape
     if n == 0:
@@ -68,13 +70,13 @@ def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) ->
     rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
     cols = torch.arange(w)[None, :].expand(n, w)
     cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
-    inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
     src = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]  # (n, h, w)
     flat = x.reshape(n, c, h * w)
-    out = torch.gather(flat, 2, src.view(n, 1, h * w).expand(n, c, h * w))
     if padding:
-        # masked_fill, not a multiply: padding is exactly zero whatever the clamped source held.
-        out.masked_fill_(~inside.view(n, 1, h * w), 0.0)
+        inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
+        src = torch.where(inside, src, h * w)  # position h*w of each plane: the appended zero
+        flat = torch.cat([flat, flat.new_zeros(n, c, 1)], dim=2)
+    out = torch.gather(flat, 2, src.view(n, 1, h * w).expand(n, c, h * w))
     return out.view(n, c, h, w)
 
 

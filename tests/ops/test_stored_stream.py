@@ -22,7 +22,7 @@ from pipeline.ops.cache import H5_FILE, ZARR_DIR, StoredStream, write_stream
 from pipeline.ops.prefetch import prefetch
 from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
 from pipeline.stream import Stream, StreamStats
-from stores.errors import CorruptChunkError
+from stores.errors import CorruptChunkError, EntryWriteError
 from stores.throttle import ThrottledFile, ThrottleProfile
 from stores.zarr_entry import ZarrReader
 
@@ -390,6 +390,15 @@ def test_hdf5_keeps_one_chunk_length(tmp_path: Path) -> None:
     )
     reader = StoredStream(tmp_path).reader
     assert reader.chunk_samples("train") == reader.chunk_samples("val") == 5  # sized by the widest split
+
+
+def test_a_fresh_entrys_writer_errors_surface_though_it_is_created_on_the_writer_thread(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(EntryWriteError, match=r"zstd level must be in \[-7, 22\], got 99"):
+        write_stream(Numbers(COUNTS), tmp_path / "entry", chunk_bytes=1000, compressor="zstd", level=99,
+                     attrs={})
+    assert not [t for t in threading.enumerate() if t.name == "cache-writer"]
 
 
 

@@ -45,7 +45,7 @@ def test_matches_per_sample_definition(
 
 
 def test_padding_is_exact_zero_even_next_to_non_finite_values() -> None:
-    # The padding is filled, not multiplied by a mask: inf/nan beside it cannot leak in as nan.
+    # The padding reads a stored zero, never a masked product: inf/nan beside it cannot leak in as nan.
     x = torch.full((4, 2, 3, 3), float("inf"))
     u = np.array([[0.0, 0.0, 0.9], [0.99, 0.99, 0.9], [0.0, 0.99, 0.1], [0.5, 0.5, 0.9]])
     out = crop_and_flip(x, 1, 0.5, u)

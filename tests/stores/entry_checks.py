@@ -6,6 +6,7 @@ one container does (its files, codecs, corruption) stays in that backend's test 
 
 from __future__ import annotations
 
+import inspect
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -90,18 +91,29 @@ def check_reads_back(reader: Any, data: dict[str, np.ndarray], chunk: int) -> No
 
 
 def record_slice_writes(
-    monkeypatch: pytest.MonkeyPatch, array_class: type, name_of: Callable[[Any], str]
+    monkeypatch: pytest.MonkeyPatch,
+    array_class: type,
+    name_of: Callable[[Any], str],
+    method: str = "__setitem__",
 ) -> dict[str, list[tuple[int, int]]]:
     """From now on (until the monkeypatch undoes it), record every ``array[start:stop] = ...``
-    on ``array_class`` as {array name: [(start, stop), ...]}, in call order."""
+    (``method``, plain or async, of ``array_class``) as {array name: [(start, stop), ...]}, in call order."""
     writes: dict[str, list[tuple[int, int]]] = {}
-    real = array_class.__setitem__
+    real = getattr(array_class, method)
 
-    def spy(self: Any, selection: slice, value: np.ndarray) -> None:
+    def record(self: Any, selection: slice) -> None:
         writes.setdefault(name_of(self), []).append((selection.start, selection.stop))
-        real(self, selection, value)
 
-    monkeypatch.setattr(array_class, "__setitem__", spy)
+    if inspect.iscoroutinefunction(real):
+        async def spy(self: Any, selection: slice, value: np.ndarray, *args: Any, **kwargs: Any) -> None:
+            record(self, selection)
+            await real(self, selection, value, *args, **kwargs)
+    else:
+        def spy(self: Any, selection: slice, value: np.ndarray, *args: Any, **kwargs: Any) -> None:
+            record(self, selection)
+            real(self, selection, value, *args, **kwargs)
+
+    monkeypatch.setattr(array_class, method, spy)
     return writes
 
 

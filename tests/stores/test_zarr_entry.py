@@ -47,7 +47,7 @@ def test_round_trip_any_batching(
 
 
 def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    by_array = entry_checks.record_slice_writes(monkeypatch, zarr.Array, lambda arr: arr.path)
+    by_array = entry_checks.record_slice_writes(monkeypatch, zarr.AsyncArray, lambda arr: arr.path, "setitem")
     write_entry(tmp_path, {"train": 23, "val": 10}, chunk=4, batch=3)
     assert by_array["train/codes"] == [(i, min(i + 4, 23)) for i in range(0, 23, 4)]
     assert by_array["val/features"] == [(0, 4), (4, 8), (8, 10)]
@@ -56,7 +56,7 @@ def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.M
 def test_a_groups_short_last_chunk_is_written_with_its_last_sample(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writes = entry_checks.record_slice_writes(monkeypatch, zarr.Array, lambda arr: arr.path)
+    writes = entry_checks.record_slice_writes(monkeypatch, zarr.AsyncArray, lambda arr: arr.path, "setitem")
     entry_checks.check_tail_written_with_last_sample(ZarrWriter, tmp_path, writes, lambda name: name)
 
 
