@@ -26,13 +26,14 @@ Fair comparisons, all in one process and one run:
   (the first pays one-off allocation and file-cache costs); the compute limit is
   also timed in two passes, before and after the pipeline run, and the faster
   one is the reference. The min-over-epochs ratio is reported beside it. The bar uses
-  the median of ``--repeats`` paired repeats, each a compute-limit pass immediately
-  followed by a two-stage pass from the stored cache: this host's speed swings by up to
+  the median of ``--repeats`` paired repeats, each a compute-limit pass and a two-stage pass
+  from the stored cache back to back (which one goes first alternates from pair to pair, so
+  neither always runs in the state the other leaves): this host's speed swings by up to
   2x between time windows, more than the 10% the bar tests, and a pair taken close
   together cancels most of that; each pass of a pair runs at least ``--pair-seconds`` of
   epochs after the first (more epochs than ``--epochs`` when an epoch is short). The build
-  bar is taken the same way: ``--repeats`` pairs of a bare-forward pass immediately
-  followed by a fresh build (new store), median ratio.
+  bar is taken the same way: ``--repeats`` pairs of a bare-forward pass and a fresh build
+  (new store) back to back, order alternating, median ratio.
 
 Weights are random (timing does not depend on them).
 Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2]
@@ -202,33 +203,48 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path) -> dict:
         fwd_after = bare_forward(bottom, batches)
         limit_after, _ = compute_limit(n, train_samples, args.batch, args.epochs)
         build = reports["cache"]
-        # Paired repeats for the build bar too: a bare-forward pass right before a fresh build of the
-        # same cache (a new store, so every image is decoded, forwarded, quantized and written again).
+        # Paired repeats for the build bar too: a bare-forward pass next to a fresh build of the same
+        # cache (a new store, so every image is decoded, forwarded, quantized and written again).
         build_paired, bare_s, build_s = [], [], []
         build_only = recipe(args.samples, n, args.bits, args.epochs, args.batch, images_dir)
         build_only["targets"] = ["cache"]
-        for _ in range(args.repeats):
-            fwd_r = bare_forward(bottom, batches)
+
+        def rebuild() -> float:
             with tempfile.TemporaryDirectory() as fresh:
                 fresh_ctx = RunContext(catalog=Catalog(Path(fresh)), seed=0, recipe_name=f"bench-n{n}")
                 rebuilt = {r.name: r for r in Runner(recipe_from_dict(build_only), fresh_ctx).run()}
             assert rebuilt["cache"].status == "computed"
-            build_paired.append(total / rebuilt["cache"].seconds / fwd_r)
+            return rebuilt["cache"].seconds
+
+        for i in range(args.repeats):
+            # Alternate which of the pair runs first, so that neither side is always the one after
+            # the other (a heap or cache state one leaves behind, a drift in the host's speed).
+            if i % 2 == 0:
+                fwd_r = bare_forward(bottom, batches)
+                build_r = rebuild()
+            else:
+                build_r = rebuild()
+                fwd_r = bare_forward(bottom, batches)
+            build_paired.append(total / build_r / fwd_r)
             bare_s.append(total / fwd_r)
-            build_s.append(rebuilt["cache"].seconds)
+            build_s.append(build_r)
         del batches
-        # Paired repeats: a compute-limit pass right before a two-stage pass (from the stored cache), so
-        # each ratio compares two measurements taken close together; the median resists this host's
-        # speed swings between time windows.
+        # Paired repeats: a compute-limit pass next to a two-stage pass (from the stored cache), first one
+        # then the other in turn, so each ratio compares two measurements taken close together; the
+        # median resists this host's speed swings between time windows.
         paired, limit_s, two_s = [], [], []
         # Each paired pass runs enough epochs for --pair-seconds of steady epochs (at least --epochs):
         # at 1 block an epoch is ~0.25 s, and two of them are too short a window to time on this host.
         pair_epochs = max(args.epochs, 1 + math.ceil(args.pair_seconds / steady(limit_before)))
         two_only = recipe(args.samples, n, args.bits, pair_epochs, args.batch, images_dir)
         two_only["targets"] = ["two_stage"]
-        for _ in range(args.repeats):
-            limit_r, _ = compute_limit(n, train_samples, args.batch, pair_epochs)
-            again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
+        for i in range(args.repeats):
+            if i % 2 == 0:
+                limit_r, _ = compute_limit(n, train_samples, args.batch, pair_epochs)
+                again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
+            else:
+                again = {r.name: r for r in Runner(recipe_from_dict(two_only), ctx).run()}
+                limit_r, _ = compute_limit(n, train_samples, args.batch, pair_epochs)
             paired.append(again["two_stage"].metrics["epoch_seconds_steady"] / steady(limit_r))
             limit_s.append(steady(limit_r))
             two_s.append(again["two_stage"].metrics["epoch_seconds_steady"])
@@ -369,10 +385,12 @@ def main() -> None:
                 "epoch_statistic": "mean of epochs after the first, for two-stage and compute limit alike; "
                 "compute limit: faster of two passes (before and after the pipeline run)",
                 "two_stage_over_limit_bar": f"median over {args.repeats} paired repeats, each a "
-                "compute-limit pass immediately followed by a two-stage pass from the stored cache, "
+                "compute-limit pass and a two-stage pass from the stored cache back to back (the limit "
+                "first in even repeats, the two-stage pass first in odd ones), "
                 f"each pass at least {args.pair_seconds} s of epochs after the first (paired_pass_epochs)",
                 "build_over_bare_bar": f"median over {args.repeats} paired repeats, each a bare-forward "
-                "pass immediately followed by a fresh build of the cache in a new store",
+                "pass and a fresh build of the cache in a new store back to back (bare first in even "
+                "repeats, build first in odd ones)",
                 "chunking": "each split's chunks about chunk_bytes (1 MiB) of its own samples",
                 "torch_threads": 2,
                 "isolation": "each cut measured in a fresh (spawned) process",
