@@ -476,9 +476,10 @@ class ZarrWriter(ChunkedWriter):
     def _after_batch(self, group: str) -> None:
         """Write the chunks the batch completed, every array's at once.
 
-        One trip to zarr's event loop for all of them: each array's write encodes and then
-        waits on its own file's fsync, so one by one a group of five small arrays took ~10
-        ms (mostly waiting) and together ~3; the last writes of a build are on its critical path.
+        One trip to zarr's event loop for all of them instead of one per array (each trip:
+        encode, then a worker thread for the file write and fsync, then the wake-up): a
+        group's five small arrays took ~10 ms one by one and ~7.5 together, and the writes
+        after a build's last batch, which it waits for, went from 20-28 ms to 8-14.
         """
         chunks, self._unwritten = self._unwritten, []
         if not chunks:
