@@ -33,10 +33,12 @@ Fair comparisons, all in one process and one run:
   together cancels most of that; each pass of a pair runs at least ``--pair-seconds`` of
   epochs after the first (more epochs than ``--epochs`` when an epoch is short). The build
   bar is taken the same way: ``--repeats`` pairs of a bare-forward pass and a fresh build
-  (new store) back to back, order alternating, median ratio.
+  (new store) back to back, order alternating, median ratio; these builds are of a separate
+  dataset of ``--build-images`` JPEGs, large enough that the build's one-off costs (creating
+  the entry, commit) weigh on its throughput as they would on a real dataset's.
 
 Weights are random (timing does not depend on them).
-Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2]
+Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2] [--build-images 1024]
 """
 
 from __future__ import annotations
@@ -391,7 +393,7 @@ def main() -> None:
             "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
-                f"--{k} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
+                f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
                 for k, v in vars(args).items()
             ),
             "settings": {
