@@ -220,26 +220,35 @@ def test_write_at_with_arrays_at_different_positions(tmp_path: Path) -> None:
 
 
 def test_chunk_writes_are_fsynced_before_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks of one batch are written concurrently, so events of different files interleave: each
+    # fsync is recorded with the path its descriptor was opened for.
     events: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    opened: dict[int, str] = {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path: str | os.PathLike[str], flags: int, *args: int, **kwargs: object) -> int:
+        fd = real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+        opened[fd] = str(path)
+        return fd
 
     def fsync(fd: int) -> None:
-        events.append(("fsync", str(fd)))
         real_fsync(fd)
+        events.append(("fsync", opened.get(fd, "?")))
 
     def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         events.append(("replace", str(src)))
         real_replace(src, dst)
 
+    monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     with ZarrWriter(tmp_path, {"v": ArraySpec((), "uint8")}, 8, 4) as writer:
         writer.write("", {"v": np.arange(8, dtype=np.uint8)})
     replaced = [src for kind, src in events if kind == "replace"]
-    assert any("/v/c/" in os.path.dirname(src) + "/" for src in replaced)
+    assert sum("/v/c/" in os.path.dirname(src) + "/" for src in replaced) == 2  # both chunks of v
     for i, (kind, src) in enumerate(events):
-        if kind == "replace":  # the temp file being renamed was fsynced just before
-            assert events[i - 1][0] == "fsync"
+        if kind == "replace":  # the temp file being renamed was fsynced before
+            assert ("fsync", src) in events[:i]
             assert os.path.basename(src).startswith(TEMP_MARKER)
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(TEMP_MARKER)]
 
