@@ -219,9 +219,9 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
         with tempfile.TemporaryDirectory() as scratch:
             scratch_ctx = RunContext(catalog=Catalog(Path(scratch)), seed=0, recipe_name=f"bench-n{n}")
             build_runner = Runner(recipe_from_dict(build_only), scratch_ctx)
-            batches = decoded_batches(build_runner)
+            build_batches = decoded_batches(build_runner)
             build_bottom, _ = split_at(build_runner.output("model").build(), n)
-        build_total = sum(len(x) for x in batches)
+        build_total = sum(len(x) for x in build_batches)
 
         def rebuild() -> float:
             with tempfile.TemporaryDirectory() as fresh:
@@ -234,15 +234,15 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
             # Alternate which of the pair runs first, so that neither side is always the one after
             # the other (a heap or cache state one leaves behind, a drift in the host's speed).
             if i % 2 == 0:
-                fwd_r = bare_forward(build_bottom, batches)
+                fwd_r = bare_forward(build_bottom, build_batches)
                 build_r = rebuild()
             else:
                 build_r = rebuild()
-                fwd_r = bare_forward(build_bottom, batches)
+                fwd_r = bare_forward(build_bottom, build_batches)
             build_paired.append(build_total / build_r / fwd_r)
             bare_s.append(build_total / fwd_r)
             build_s.append(build_r)
-        del batches
+        del build_batches
         # Paired repeats: a compute-limit pass next to a two-stage pass (from the stored cache), first one
         # then the other in turn, so each ratio compares two measurements taken close together; the
         # median resists this host's speed swings between time windows.

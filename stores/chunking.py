@@ -101,7 +101,9 @@ class ChunkedWriter:
 
     def _emit(self, name: str, chunk: np.ndarray) -> None:
         """Take chunk ``self._written[name] // chunk_samples`` of array ``name`` (whole, or the short
-        last one) and advance ``self._written[name]`` by its length."""
+        last one) and advance ``self._written[name]`` by its length. The writer never changes
+        ``chunk`` afterwards; it may be a view of the caller's batch, which is the caller's again
+        once :meth:`write` returns."""
         raise NotImplementedError
 
     def _after_batch(self, group: str) -> None:
@@ -216,7 +218,9 @@ class ChunkedWriter:
         return self._buffers[name]
 
     def _flush(self, name: str) -> None:
-        self._emit(name, self._buffers[name][: self._filled[name]])
+        # The buffer leaves with its chunk (a backend may still hold it after _emit returns); the
+        # array's next samples go into a new one.
+        self._emit(name, self._buffers.pop(name)[: self._filled[name]])
         self._filled[name] = 0
 
     def _check_complete(self) -> None:

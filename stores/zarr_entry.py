@@ -465,15 +465,16 @@ class ZarrWriter(ChunkedWriter):
                 self.write(group, {leaf: data[offsets[leaf] :]})
 
     def _emit(self, name: str, chunk: np.ndarray) -> None:
-        # Queued, written by _after_batch: a batch's chunks of all arrays go out together.
+        # Queued, written when the batch is in (_write_queued): its chunks of all arrays go out together.
         data = np.asarray(chunk, dtype=self.specs[name].dtype)
-        if name in self._buffers and np.shares_memory(data, self._buffers[name]):
-            data = data.copy()  # the chunk buffer is refilled before the queued write runs
         start = self._written[name]
         self._unwritten.append((name, start, data))
         self._written[name] = start + len(data)
 
     def _after_batch(self, group: str) -> None:
+        self._write_queued()
+
+    def _write_queued(self) -> None:
         """Write the chunks the batch completed, every array's at once.
 
         One trip to zarr's event loop for all of them instead of one per array (each trip:
@@ -569,7 +570,7 @@ class ZarrWriter(ChunkedWriter):
         too, were written as their samples arrived)."""
         if self._closed:
             return
-        self._after_batch("")  # nothing is queued after a completed write(); never drop a chunk if so
+        self._write_queued()  # nothing is queued after a completed write(); never drop a chunk if so
         self._closed = True
         self._check_complete()
         self._buffers.clear()

@@ -176,7 +176,18 @@ def write_stream(
     }
     counts = {split: s.num_samples for split, s in spec.splits.items()}
     attrs = {**attrs, SPEC_ATTR: spec_to_json(spec)}
-    def zarr_writer() -> zarr_entry.ZarrWriter:
+
+    def open_writer() -> Any:
+        if fmt == "hdf5":
+            # Resumes from the rows its progress log records and that still match their crc32
+            # (see stores.h5_entry); anything else is discarded with a message.
+            h5 = h5_entry.H5Writer(
+                entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level,
+                resume=True,
+            )
+            if h5.restart_reason is not None and log is not None:
+                log(f"could not resume the interrupted HDF5 build ({h5.restart_reason}); starting over")
+            return h5
         # "wipe": a leftover written with other chunking/codec settings is rebuilt, never mixed in.
         return zarr_entry.ZarrWriter(
             entry_dir / ZARR_DIR,
@@ -190,25 +201,13 @@ def write_stream(
             on_mismatch="wipe",
         )
 
-    background: _BackgroundWriter
     if fmt != "hdf5" and not (entry_dir / ZARR_DIR).exists():
         # Nothing to resume: the writer creates the entry's files on its own thread (~15 ms of
         # metadata writes and fsyncs) while the first batch is decoded and forwarded.
         done = dict.fromkeys(spec.splits, 0)
-        background = _BackgroundWriter(zarr_writer)
+        background = _BackgroundWriter(open_writer)
     else:
-        writer: Any
-        if fmt == "hdf5":
-            # Resumes from the rows its progress log records and that still match their crc32
-            # (see stores.h5_entry); anything else is discarded with a message.
-            writer = h5_entry.H5Writer(
-                entry_dir / H5_FILE, arrays, counts, chunk, attrs, compressor=compressor, level=level,
-                resume=True,
-            )
-            if writer.restart_reason is not None and log is not None:
-                log(f"could not resume the interrupted HDF5 build ({writer.restart_reason}); starting over")
-        else:
-            writer = zarr_writer()
+        writer = open_writer()
         done = {split: writer.resume_samples(split) for split in spec.splits}
         if any(done.values()) and log is not None:
             kept = ", ".join(f"{split} {n}/{counts[split]}" for split, n in done.items())
