@@ -60,6 +60,7 @@ from pipeline.context import RunContext
 from pipeline.data.sources import synthetic
 from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
 from pipeline.models.zoo import build_backbone, split_at
+from pipeline.openmp import omp_pause_requested
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog
@@ -338,6 +339,9 @@ def main() -> None:
     # As the CLI does: the heap keeps freed buffers unless ONDEVICE_TL_KEEP_HEAP=0 (pipeline/heap.py);
     # an opted-out run writes its own result file, so both configurations stay on record.
     keep_heap = keep_freed_heap_requested() and keep_freed_heap()
+    # Likewise idle OpenMP workers are released before between-steps decoding unless
+    # ONDEVICE_TL_OMP_PAUSE=0 (pipeline/openmp.py); the spawned processes read the same variable.
+    omp_pause = omp_pause_requested()
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=512, help="training samples per epoch")
     ap.add_argument("--epochs", type=int, default=3)
@@ -386,11 +390,14 @@ def main() -> None:
         ),
     }
     path = write_result(
-        "cache_reuse_epoch_time" if keep_heap else "cache_reuse_epoch_time_malloc_defaults",
+        "cache_reuse_epoch_time"
+        + ("" if keep_heap else "_malloc_defaults")
+        + ("" if omp_pause else "_omp_spinning"),
         {
             "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
             "cache build throughput",
             "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
+            + ("" if omp_pause else "ONDEVICE_TL_OMP_PAUSE=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
@@ -423,6 +430,9 @@ def main() -> None:
                 "malloc": "keep_freed_heap (the default)"
                 if keep_heap
                 else "glibc defaults (ONDEVICE_TL_KEEP_HEAP=0)",
+                "openmp_idle_workers": "released before between-steps decoding (the default)"
+                if omp_pause
+                else "left spinning (ONDEVICE_TL_OMP_PAUSE=0)",
             },
             "rows": rows,
             "targets": targets,
