@@ -5,14 +5,16 @@ sleeping: 300,000 iterations by default, which on CPUs with a slow ``pause`` ins
 is several milliseconds of a core. That is free when torch's ops follow each other, and
 a loss whenever anything else in the process needs that core right after an op: JPEG
 decoding between frozen-forward batches, the reader threads of a training epoch. This
-measures both sides, to decide whether the toolkit should shorten the spin (it does not:
-see the README's CLI reference; a user can set ``GOMP_SPINCOUNT`` or
-``OMP_WAIT_POLICY`` before starting Python).
+measures both sides, to decide how the toolkit should treat the spin: shortening it for the
+whole process (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``, which a user can set before starting
+Python) against releasing the workers only where other work follows (``release_idle_workers``
+before decoding, what the decode stage does; ``pipeline/openmp.py``).
 
 MobileNetV2 at 224x224, batch 32, 2 torch threads, random weights. Per batch:
 - ``forward_s``: the frozen bottom (train_last_blocks 4) alone;
 - ``decode_after_forward_s``: decoding the next 32 JPEGs on 2 threads right after a forward
-  batch (how the decode stage works on a CPU device, ``cpu_work: between_steps``);
+  batch (how the decode stage works on a CPU device, ``cpu_work: between_steps``), with the
+  idle workers released first in the ``released`` setting only;
 - ``decode_idle_s``: the same decoding with no forward before it (the floor);
 - ``train_step_s``: forward + backward + AdamW of the last 7 blocks.
 Each setting runs in a fresh subprocess (libgomp reads it when torch loads), settings
@@ -38,11 +40,12 @@ from benchmarks.bench_cache_reuse import write_image_folder
 
 # setting name -> environment it runs with (everything else about OpenMP unset)
 SETTINGS = {
-    "libgomp_default": {"GOMP_SPINCOUNT": "300000"},
-    "spincount_100000": {"GOMP_SPINCOUNT": "100000"},
-    "spincount_30000": {"GOMP_SPINCOUNT": "30000"},
-    "spincount_10000": {"GOMP_SPINCOUNT": "10000"},
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "libgomp_default": {"GOMP_SPINCOUNT": "300000", "ONDEVICE_TL_OMP_PAUSE": "0"},
+    "released": {"GOMP_SPINCOUNT": "300000", "ONDEVICE_TL_OMP_PAUSE": "1"},
+    "spincount_100000": {"GOMP_SPINCOUNT": "100000", "ONDEVICE_TL_OMP_PAUSE": "0"},
+    "spincount_30000": {"GOMP_SPINCOUNT": "30000", "ONDEVICE_TL_OMP_PAUSE": "0"},
+    "spincount_10000": {"GOMP_SPINCOUNT": "10000", "ONDEVICE_TL_OMP_PAUSE": "0"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE", "ONDEVICE_TL_OMP_PAUSE": "0"},
 }
 KEYS = ("forward_s", "decode_after_forward_s", "decode_idle_s", "train_step_s")
 
@@ -57,6 +60,7 @@ kept = keep_freed_heap_requested() and keep_freed_heap()  # as the CLI sets up a
 import torch
 from pipeline.data.image_folder import decode_image
 from pipeline.models.zoo import build_backbone, split_at
+from pipeline.openmp import release_idle_workers  # does nothing with ONDEVICE_TL_OMP_PAUSE=0
 torch.set_num_threads(2)
 torch.manual_seed(0)
 batches, images = int(sys.argv[1]), Path(sys.argv[2])
@@ -81,6 +85,7 @@ with torch.inference_mode():
         t0 = time.perf_counter()
         bottom(x)
         t1 = time.perf_counter()
+        release_idle_workers()  # timed with the decoding it is for; the forward pays the restart
         decode((32 * b) % (len(raw) - 31))
         fwd, dec = fwd + t1 - t0, dec + time.perf_counter() - t1
 time.sleep(0.2)  # let the workers stop spinning: the floor is decoding on idle cores
@@ -111,7 +116,11 @@ print(json.dumps({"forward_s": fwd / batches, "decode_after_forward_s": dec / ba
 
 
 def probe(setting: str, batches: int, images: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "ONDEVICE_TL_OMP_PAUSE")
+    }
     env.update(SETTINGS[setting])
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(batches), str(images)], capture_output=True, text=True, env=env
