@@ -53,12 +53,15 @@ def _loaded_runtime() -> str | None:
     return None
 
 
-def _find_pause() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux") or not omp_pause_requested():
-        return None
+def torch_uses_openmp() -> bool:
+    """True when torch's intra-op parallelism (ATen's parallel backend) is OpenMP."""
     import torch
 
-    if "OpenMP" not in torch.__config__.parallel_info().rsplit("ATen parallel backend:", 1)[-1]:
+    return "OpenMP" in torch.__config__.parallel_info().rsplit("ATen parallel backend:", 1)[-1]
+
+
+def _find_pause() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux") or not omp_pause_requested() or not torch_uses_openmp():
         return None
     path = _loaded_runtime()
     if path is None:

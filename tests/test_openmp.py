@@ -8,15 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import pipeline.openmp as openmp
 
 ROOT = Path(__file__).resolve().parents[1]
-GNU_OPENMP = (
-    sys.platform.startswith("linux")
-    and "OpenMP" in torch.__config__.parallel_info().rsplit("ATen parallel backend:", 1)[-1]
-)
+GNU_OPENMP = sys.platform.startswith("linux") and openmp.torch_uses_openmp()
 
 # Run one parallel op, release the workers, and print the process's thread count before and after
 # the release and after the next parallel op (Linux: /proc/self/status), then whether it released.
