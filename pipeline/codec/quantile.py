@@ -202,12 +202,22 @@ def quantize(x: torch.Tensor, bits: int, k: int | float = 1) -> QuantizedBatch:
     return QuantizedBatch(codes=pack(codes, bits), lo=lo16, scale=scale16, bits=bits, shape=(c, h, w))
 
 
-def dequantize(q: QuantizedBatch) -> torch.Tensor:
-    """float32 (N, C, H, W) feature maps ``lo + code * scale`` (Eq. 3); exact product, one rounding."""
+def dequantize(q: QuantizedBatch, source: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 (N, C, H, W) feature maps ``lo + code * scale`` (Eq. 3); exact product, one rounding.
+
+    ``source``, int64 (N, H*W), rearranges every map on the way: output position ``p`` of each
+    channel of sample ``i`` is read from stored position ``source[i, p]`` (a crop or flip, see
+    :mod:`pipeline.stages.feature_aug`). Moving the one-byte codes before they become four-byte
+    floats gives what moving the floats would, at a quarter of the memory traffic.
+    """
     c, h, w = q.shape
     n = q.codes.shape[0]
     codes = unpack(q.codes, q.bits, c * h * w).view(n, c, h * w)
+    if source is not None:
+        if source.shape != (n, h * w):
+            raise ValueError(f"source must have shape {(n, h * w)} (samples, H*W), got {tuple(source.shape)}")
+        codes = torch.gather(codes, 2, source.view(n, 1, h * w).expand(n, c, h * w))
     out = codes.to(torch.float32)
-    out.mul_(q.scale.float()[..., None])
-    out.add_(q.lo.float()[..., None])
+    # The product is exact, so a fused multiply-add rounds exactly where mul-then-add would.
+    torch.addcmul(q.lo.float()[..., None], out, q.scale.float()[..., None], out=out)
     return out.view(n, c, h, w)

@@ -8,6 +8,9 @@ augmentation of a sample does not depend on which batch or worker it landed in.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -15,11 +18,12 @@ from pydantic import Field
 
 from ..errors import StageError
 from ..lazy import lazy_module
-from ..ops.batching import Batch
+from ..ops.batching import Batch, batch_size_of
 from ..registry import register
 from ..spec import STREAM, Spec
 from ..stage import Stage
-from ..stream import MapStream
+from ..stream import MapStream, Stream, StreamStats
+from .quantize import DequantizedStream
 
 if TYPE_CHECKING:
     import torch
@@ -48,36 +52,99 @@ def sample_uniforms(ids: torch.Tensor, seed: int, epoch: int, count: int) -> np.
     return (keys >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
-    """Per-sample random crop (zero padding ``padding``) and horizontal flip, drawn from ``u`` (n, 3).
+@dataclass(frozen=True)
+class CropFlip:
+    """A per-sample random crop (zero padding ``padding``) and horizontal flip of (H, W) maps.
 
-    Output pixel (r, c) of sample i is input pixel (r + dy_i - p, c' + dx_i - p), where
-    c' is c or its mirror, and zero when that falls in the padding. One ``gather`` over
-    the flattened H*W plane does every sample's crop and flip at once: this runs on the
-    trainer's critical path every step. Padding reads a zero appended to each plane
-    rather than being zeroed afterwards: the append is a plain copy, while a masked fill
-    broadcast over the channels cost as much again as the gather (1.0 vs 0.2 ms for 134
-    maps of 320x7x7), and unlike multiplying by a 0/1 mask it stays exactly zero next to
-    inf or nan.
+    Output pixel (r, c) of sample i is input pixel (r + dy_i - p, c' + dx_i - p), where c'
+    is c or its mirror, and zero where that falls in the padding. As data: ``source``, int64
+    (N, H*W), the input position each output position reads (clamped into the map), and the
+    output rows and columns that are padding (``pad_rows`` (N, H), ``pad_cols`` (N, W), bool).
+    One ``gather`` along the flattened plane with ``source`` moves every sample's pixels at
+    once; the padding is then zeroed by assignment, row by row and column by column, which
+    touches only the padded pixels and stays exactly zero next to inf or nan (a 0/1 mask
+    multiplied in would make nan of them).
     """
-    n, c, h, w = x.shape
+
+    source: torch.Tensor
+    pad_rows: torch.Tensor
+    pad_cols: torch.Tensor
+
+    @classmethod
+    def draw(cls, n: int, h: int, w: int, padding: int, hflip: float, u: np.ndarray) -> CropFlip:
+        """The crop and flip of ``n`` samples from their uniforms ``u`` (n, 3): dy, dx, flip."""
+        span = 2 * padding + 1
+        dy = torch.from_numpy((u[:, 0] * span).astype(np.int64)) - padding
+        dx = torch.from_numpy((u[:, 1] * span).astype(np.int64)) - padding
+        flip = torch.from_numpy(u[:, 2] < hflip)
+        rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
+        cols = torch.arange(w)[None, :].expand(n, w)
+        cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
+        source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
+        return cls(source.reshape(n, h * w), (rows < 0) | (rows >= h), (cols < 0) | (cols >= w))
+
+    def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
+        """Set the padded output pixels of ``x`` (N, C, H, W), moved by ``source``, to zero; in place."""
+        sample, row = self.pad_rows.nonzero(as_tuple=True)
+        if len(sample):
+            x[sample, :, row, :] = 0
+        sample, col = self.pad_cols.nonzero(as_tuple=True)
+        if len(sample):
+            x[sample, :, :, col] = 0
+        return x
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
+        n, c, h, w = x.shape
+        moved = torch.gather(x.reshape(n, c, h * w), 2, self.source.view(n, 1, h * w).expand(n, c, h * w))
+        return self.zero_padding(moved.view(n, c, h, w))
+
+
+def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
+    """Per-sample random crop (zero padding ``padding``) and horizontal flip of ``x``, drawn from ``u``."""
+    n, _, h, w = x.shape
     if n == 0:
         return x.clone()
-    span = 2 * padding + 1
-    dy = torch.from_numpy((u[:, 0] * span).astype(np.int64)) - padding
-    dx = torch.from_numpy((u[:, 1] * span).astype(np.int64)) - padding
-    flip = torch.from_numpy(u[:, 2] < hflip)
-    rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
-    cols = torch.arange(w)[None, :].expand(n, w)
-    cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
-    src = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]  # (n, h, w)
-    flat = x.reshape(n, c, h * w)
-    if padding:
-        inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
-        src = torch.where(inside, src, h * w)  # position h*w of each plane: the appended zero
-        flat = torch.cat([flat, flat.new_zeros(n, c, 1)], dim=2)
-    out = torch.gather(flat, 2, src.view(n, 1, h * w).expand(n, c, h * w))
-    return out.view(n, c, h, w)
+    return CropFlip.draw(n, h, w, padding, hflip, u).apply(x)
+
+
+class AugmentWhileDequantizing(Stream):
+    """feature_aug fused with the dequantize stage before it: the crop and flip move the codes.
+
+    What comes out is bit for bit what dequantizing and then augmenting gives (the moves are
+    exact and the padding is assigned zeros either way), with one pass over the float maps
+    instead of four: this runs on the trainer's critical path every step, and on maps larger
+    than the CPU's cache each pass is a trip to memory. Time is booked as the two stages
+    would book it: dequantizing (the moves included) to the dequantize stage, drawing the
+    crops and zeroing the padding to feature_aug.
+    """
+
+    def __init__(self, dequantized: DequantizedStream, augment: Callable[[Batch, int, int], CropFlip],
+                 splits: tuple[str, ...]) -> None:
+        self.dequantized = dequantized
+        self.augment = augment
+        self.splits = splits
+        self.spec = dequantized.spec
+        self.stats = StreamStats()
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        batches = self.dequantized.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
+        for batch in batches:
+            n = batch_size_of(batch)
+            t0 = time.perf_counter()
+            crop = self.augment(batch, epoch, seed) if split in self.splits and n else None
+            t1 = time.perf_counter()
+            out = self.dequantized.decode(batch, None if crop is None else crop.source)
+            t2 = time.perf_counter()
+            self.dequantized.stats.add(t2 - t1, n)
+            if crop is not None:
+                crop.zero_padding(out["x"])
+                self.stats.add(t1 - t0 + time.perf_counter() - t2, n)
+            yield out
+
+    def stored_bytes(self) -> int:
+        return self.dequantized.stored_bytes()
 
 
 @register
@@ -105,11 +172,23 @@ class FeatureAugment(Stage):
                 )
         return data
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
+    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> Stream:
         parent = inputs["input"]
 
+        def uniforms(batch: Batch, epoch: int, seed: int) -> np.ndarray:
+            return sample_uniforms(batch["id"], self.seed * 31 + seed, epoch, 3)
+
+        if isinstance(parent, DequantizedStream):
+            _, h, w = parent.shape
+
+            def draw(batch: Batch, epoch: int, seed: int) -> CropFlip:
+                u = uniforms(batch, epoch, seed)
+                return CropFlip.draw(len(u), h, w, self.crop_padding, self.hflip, u)
+
+            return AugmentWhileDequantizing(parent, draw, self.splits)
+
         def augment(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
-            u = sample_uniforms(batch["id"], self.seed * 31 + seed, epoch, 3)
+            u = uniforms(batch, epoch, seed)
             return {**batch, "x": crop_and_flip(batch["x"], self.crop_padding, self.hflip, u)}
 
         return MapStream(parent, augment, parent.spec, splits=self.splits)

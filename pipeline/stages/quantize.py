@@ -18,7 +18,7 @@ from ..ops.batching import Batch
 from ..registry import register
 from ..spec import STREAM, FieldSpec, Spec, SplitSpec
 from ..stage import Stage
-from ..stream import MapStream
+from ..stream import MapStream, Stream
 
 if TYPE_CHECKING:
     import torch
@@ -127,18 +127,38 @@ class Dequantize(Stage):
     def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
         parent = inputs["input"]
         spec = self.resolve({"input": parent.spec}, ctx)
-        shape = tuple(spec.meta["feature_shape"])
-        bits = spec.meta["bits"]
+        return DequantizedStream(parent, spec)
 
-        def decode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
-            out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
-            if "codes" in batch:
-                q = quantile.QuantizedBatch(
-                    codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=bits, shape=shape
-                )
-                out["x"] = quantile.dequantize(q)
-            else:
-                out["x"] = batch["x"].float()
+
+class DequantizedStream(MapStream):
+    """A quantized stream's batches as float32 feature maps ``x``: the dequantize stage's output.
+
+    :meth:`decode` can also rearrange each map while it dequantizes (``source``), which is
+    how a feature_aug stage right after it moves the stored codes instead of the floats.
+    """
+
+    def __init__(self, parent: Stream, spec: Spec) -> None:
+        super().__init__(parent, lambda batch, *_: self.decode(batch), spec)
+        self.shape = tuple(spec.meta["feature_shape"])
+        self.bits = spec.meta["bits"]
+
+    def decode(self, batch: Batch, source: torch.Tensor | None = None) -> Batch:
+        """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
+
+        ``source`` (N, H*W) int64: output position p of every map of sample i is read from
+        stored position ``source[i, p]`` (see :func:`pipeline.codec.quantile.dequantize`).
+        """
+        out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
+        if "codes" in batch:
+            q = quantile.QuantizedBatch(
+                codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=self.bits, shape=self.shape
+            )
+            out["x"] = quantile.dequantize(q, source)
             return out
-
-        return MapStream(parent, decode, spec)
+        x = batch["x"]
+        if source is not None:  # stored as floats: move the (float16) values, then widen them
+            n, c, h, w = x.shape
+            x = torch.gather(x.reshape(n, c, h * w), 2, source.view(n, 1, h * w).expand(n, c, h * w))
+            x = x.view(n, c, h, w)
+        out["x"] = x.float()
+        return out

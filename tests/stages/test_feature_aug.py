@@ -1,6 +1,9 @@
-"""Feature-space crop and flip: the fast gather matches a per-sample pad/crop/flip, sample by sample."""
+"""Feature-space crop and flip: the fast gather matches a per-sample pad/crop/flip, sample by sample;
+fused with the dequantize stage before it, it gives what the two stages give one after the other."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -9,7 +12,17 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.stages.feature_aug import crop_and_flip, sample_uniforms
+from pipeline.codec.quantile import quantize
+from pipeline.ops.batching import Batch
+from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
+from pipeline.stages.feature_aug import (
+    AugmentWhileDequantizing,
+    FeatureAugment,
+    crop_and_flip,
+    sample_uniforms,
+)
+from pipeline.stages.quantize import Dequantize, DequantizedStream, quantized_fields
+from pipeline.stream import MapStream, Stream, StreamStats
 
 
 def reference(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
@@ -66,3 +79,74 @@ def test_non_contiguous_input() -> None:
     x = torch.randn(5, 4, 6, 6).permute(0, 1, 3, 2)  # a view with transposed strides
     u = sample_uniforms(torch.arange(5), 1, 2, 3)
     assert torch.equal(crop_and_flip(x, 2, 0.5, u), reference(x.contiguous(), 2, 0.5, u))
+
+
+class InMemory(Stream):
+    """A quantized feature stream held in memory: train as n-bit codes, val as float16 maps."""
+
+    def __init__(self, shape: tuple[int, int, int], bits: int, batches: int = 3) -> None:
+        gen = torch.Generator().manual_seed(bits)
+        self.data: dict[str, list[Batch]] = {"train": [], "val": []}
+        for i in range(batches):
+            x = torch.randn(5 + i, *shape, generator=gen).clamp_min(-1.0) * 3
+            ids = torch.arange(len(x)) + 100 * i
+            q = quantize(x, bits)
+            self.data["train"].append({"codes": q.codes, "lo": q.lo, "scale": q.scale, "id": ids})
+            self.data["val"].append({"x": x.half(), "id": ids})
+        self.data["train"].append({k: v[:0] for k, v in self.data["train"][0].items()})  # an empty batch
+        fields = {"id": FieldSpec((), "int64")}
+        self.spec = Spec(STREAM, 2, {
+            "train": SplitSpec(sum(len(b["id"]) for b in self.data["train"]),
+                               {**fields, **quantized_fields(shape, bits)}),
+            "val": SplitSpec(sum(len(b["id"]) for b in self.data["val"]),
+                             {**fields, "x": FieldSpec(shape, "float16")}),
+        }, meta={"feature_shape": list(shape), "bits": bits})
+        self.stats = StreamStats()
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        return iter(self.data[split])
+
+
+def dequantized(source: Stream) -> DequantizedStream:
+    stage = Dequantize(input="cache")
+    return stage.run(None, {"input": source}, "deq")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize(("padding", "hflip"), [(0, 0.0), (0, 1.0), (1, 0.5), (2, 0.5), (9, 0.5)])
+@pytest.mark.parametrize("shape", [(7, 5, 5), (3, 14, 9)])
+def test_fused_with_dequantize_gives_dequantize_then_augment_bit_for_bit(
+    bits: int, padding: int, hflip: float, shape: tuple[int, int, int]
+) -> None:
+    stage = FeatureAugment(input="deq", crop_padding=padding, hflip=hflip, splits=("train", "val"))
+    deq = dequantized(InMemory(shape, bits))
+    fused = stage.run(None, {"input": deq}, "faug")
+    assert isinstance(fused, AugmentWhileDequantizing)
+    # The same stages with something in between: no fusion, the floats are moved after dequantizing.
+    separate = stage.run(None, {"input": MapStream(deq, lambda b, *_: b, deq.spec)}, "faug")
+    assert not isinstance(separate, AugmentWhileDequantizing)
+    for split in ("train", "val"):
+        for epoch in (0, 1):
+            got = list(fused.open(split, epoch=epoch, seed=3))
+            want = list(separate.open(split, epoch=epoch, seed=3))
+            assert len(got) == len(want) == len(deq.parent.data[split])
+            for a, b in zip(got, want, strict=True):
+                assert a.keys() == b.keys() and torch.equal(a["id"], b["id"])
+                assert a["x"].dtype == torch.float32 and a["x"].shape == b["x"].shape
+                assert torch.equal(a["x"].view(torch.int32), b["x"].view(torch.int32))  # -0.0 != 0.0 here
+
+
+def test_fused_stream_books_time_to_both_stages_and_leaves_other_splits_unaugmented() -> None:
+    source = InMemory((4, 6, 6), 2)
+    deq = dequantized(source)
+    fused = FeatureAugment(input="deq", crop_padding=1, hflip=0.5).run(None, {"input": deq}, "faug")
+    plain = list(dequantized(source).open("val"))
+    val = list(fused.open("val"))
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(val, plain, strict=True))  # train only by default
+    assert fused.stats.batches == 0 and deq.stats.batches == len(val)
+    train = list(fused.open("train", epoch=1))
+    assert fused.stats.batches == len(train) - 1  # the empty batch draws no crop
+    assert deq.stats.batches == len(val) + len(train) and deq.stats.samples == 2 * (5 + 6 + 7)
+    unaugmented = dequantized(source).open("train")
+    assert any(not torch.equal(a["x"], b["x"]) for a, b in zip(train, unaugmented, strict=True))
