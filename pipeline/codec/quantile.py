@@ -217,7 +217,7 @@ def dequantize(q: QuantizedBatch, source: torch.Tensor | None = None) -> torch.T
         if source.shape != (n, h * w):
             raise ValueError(f"source must have shape {(n, h * w)} (samples, H*W), got {tuple(source.shape)}")
         codes = torch.gather(codes, 2, source.view(n, 1, h * w).expand(n, c, h * w))
-    out = codes.to(torch.float32)
-    # The product is exact, so a fused multiply-add rounds exactly where mul-then-add would.
-    torch.addcmul(q.lo.float()[..., None], out, q.scale.float()[..., None], out=out)
+    # One pass from uint8 codes to floats. The product is exact, so a fused multiply-add rounds
+    # exactly where a multiply then an add would: once, at the addition.
+    out = torch.addcmul(q.lo.float()[..., None], codes, q.scale.float()[..., None])
     return out.view(n, c, h, w)

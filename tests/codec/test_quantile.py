@@ -215,6 +215,24 @@ def test_shapes_and_dtypes(bits: int) -> None:
     assert torch.equal(dequantize(again), xhat)
 
 
+@pytest.mark.parametrize("bits", VALID_BITS)
+def test_dequantize_rounds_once_and_moves_codes_like_floats(bits: int) -> None:
+    # Eq. 3 with one rounding: lo + code * scale is exact in float64 (an 8-bit code times an 11-bit
+    # significand, plus a float16), so rounding that to float32 is the one correctly rounded answer.
+    x = torch.randn(6, 5, 3, 7, generator=torch.Generator().manual_seed(bits)) * 40
+    q = quantize(x, bits)
+    codes = codes_of(q).double()
+    exact = q.lo.double()[..., None] + codes * q.scale.double()[..., None]
+    xhat = dequantize(q)
+    assert torch.equal(xhat.view(6, 5, 21), exact.float())
+    # ``source`` moves the codes of every channel the same way: what moving the floats would give.
+    source = torch.stack([torch.randperm(21, generator=torch.Generator().manual_seed(i)) for i in range(6)])
+    moved = torch.gather(xhat.view(6, 5, 21), 2, source[:, None, :].expand(6, 5, 21))
+    assert torch.equal(dequantize(q, source).view(6, 5, 21), moved)
+    with pytest.raises(ValueError, match=r"source must have shape \(6, 21\)"):
+        dequantize(q, source[:, :20])
+
+
 def test_other_float_dtypes_and_empty_batch() -> None:
     x = torch.randn(2, 3, 4, 4)
     ref = dequantize(quantize(x, 4))
