@@ -27,8 +27,11 @@ from .quantize import DequantizedStream
 
 if TYPE_CHECKING:
     import torch
+
+    from ..codec import quantile
 else:
     torch = lazy_module("torch")
+    quantile = lazy_module("pipeline.codec.quantile")
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -95,9 +98,7 @@ class CropFlip:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
-        n, c, h, w = x.shape
-        moved = torch.gather(x.reshape(n, c, h * w), 2, self.source.view(n, 1, h * w).expand(n, c, h * w))
-        return self.zero_padding(moved.view(n, c, h, w))
+        return self.zero_padding(quantile.move_planes(x, self.source))
 
 
 def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
