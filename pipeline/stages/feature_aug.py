@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -55,36 +56,62 @@ def sample_uniforms(ids: torch.Tensor, seed: int, epoch: int, count: int) -> np.
     return (keys >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CropFlip:
-    """A per-sample random crop (zero padding ``padding``) and horizontal flip of (H, W) maps.
+    """A per-sample random crop (zero padding) and horizontal flip of (H, W) maps.
 
-    Output pixel (r, c) of sample i is input pixel (r + dy_i - p, c' + dx_i - p), where c'
-    is c or its mirror, and zero where that falls in the padding. As data: ``source``, int64
-    (N, H*W), the input position each output position reads (clamped into the map), and the
-    output rows and columns that are padding (``pad_rows`` (N, H), ``pad_cols`` (N, W), bool).
-    One ``gather`` along the flattened plane with ``source`` moves every sample's pixels at
-    once; the padding is then zeroed by assignment, row by row and column by column, which
-    touches only the padded pixels and stays exactly zero next to inf or nan (a 0/1 mask
-    multiplied in would make nan of them).
+    Output pixel (r, c) of sample i is input pixel (r + dy_i, c' + dx_i), where c' is c, or its
+    mirror W - 1 - c when ``flip_i``, and zero where that falls outside the map (the padding).
+    ``dy``, ``dx`` (int32) and ``flip`` (bool) hold one value per sample: the move as the compiled
+    kernel takes it (:func:`pipeline.codec.native.dequantize_moved`). For torch ops the same move
+    is ``source``, int64 (N, H*W), the input position each output position reads (clamped into
+    the map), with the output rows and columns that are padding (``pad_rows`` (N, H), ``pad_cols``
+    (N, W), bool), computed on first use. One ``gather`` along the flattened plane with ``source``
+    moves every sample's pixels at once; the padding is then zeroed by assignment, row by row and
+    column by column, which touches only the padded pixels and stays exactly zero next to inf or
+    nan (a 0/1 mask multiplied in would make nan of them).
     """
 
-    source: torch.Tensor
-    pad_rows: torch.Tensor
-    pad_cols: torch.Tensor
+    dy: np.ndarray
+    dx: np.ndarray
+    flip: np.ndarray
+    h: int
+    w: int
 
     @classmethod
     def draw(cls, n: int, h: int, w: int, padding: int, hflip: float, u: np.ndarray) -> CropFlip:
         """The crop and flip of ``n`` samples from their uniforms ``u`` (n, 3): dy, dx, flip."""
         span = 2 * padding + 1
-        dy = torch.from_numpy((u[:, 0] * span).astype(np.int64)) - padding
-        dx = torch.from_numpy((u[:, 1] * span).astype(np.int64)) - padding
-        flip = torch.from_numpy(u[:, 2] < hflip)
+        dy = (u[:n, 0] * span).astype(np.int32) - padding
+        dx = (u[:n, 1] * span).astype(np.int32) - padding
+        return cls(dy, dx, u[:n, 2] < hflip, h, w)
+
+    @property
+    def move(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.dy, self.dx, self.flip
+
+    @cached_property
+    def _as_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, h, w = len(self.dy), self.h, self.w
+        dy, dx = torch.from_numpy(self.dy.astype(np.int64)), torch.from_numpy(self.dx.astype(np.int64))
+        flip = torch.from_numpy(np.asarray(self.flip, dtype=bool))
         rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
         cols = torch.arange(w)[None, :].expand(n, w)
         cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
         source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
-        return cls(source.reshape(n, h * w), (rows < 0) | (rows >= h), (cols < 0) | (cols >= w))
+        return source.reshape(n, h * w), (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self._as_positions[0]
+
+    @property
+    def pad_rows(self) -> torch.Tensor:
+        return self._as_positions[1]
+
+    @property
+    def pad_cols(self) -> torch.Tensor:
+        return self._as_positions[2]
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """Set the padded output pixels of ``x`` (N, C, H, W), moved by ``source``, to zero; in place."""
@@ -113,12 +140,13 @@ class AugmentWhileDequantizing(Stream):
     """feature_aug fused with the dequantize stage before it: the crop and flip move the codes.
 
     What comes out is bit for bit what dequantizing and then augmenting gives (the moves are
-    exact and the padding is assigned zeros either way), but the gather moves one-byte codes
-    instead of four-byte floats, one pass fewer goes over the floats, and the stages' work
-    stays together while it is in cache: 2.1 ms instead of 7.6 ms for 134 maps of 320x7x7
-    (Xeon, 2 threads), on the trainer's critical path every epoch. Time is booked as the two
-    stages would book it: dequantizing (the moves included) to the dequantize stage, drawing
-    the crops and zeroing the padding to feature_aug.
+    exact and the padding is +0.0 either way), but the maps are moved while they are made, in
+    one pass of the compiled kernel (:mod:`pipeline.codec.native`), or with torch ops that move
+    the one-byte codes instead of the four-byte floats. For 134 maps of 320x7x7 at 2 bits (Xeon,
+    2 threads): 1.0 ms with the kernel, 2.5 ms with the fused torch ops, 7.6 ms for the two
+    stages one after the other; this runs on the trainer's critical path every epoch. Time is
+    booked as the two stages would book it: drawing the crops to feature_aug, making the maps
+    (moves and padding included) to dequantize.
     """
 
     def __init__(self, dequantized: DequantizedStream, augment: Callable[[Batch, int, int], CropFlip],
@@ -137,12 +165,10 @@ class AugmentWhileDequantizing(Stream):
             t0 = time.perf_counter()
             crop = self.augment(batch, epoch, seed) if split in self.splits and n else None
             t1 = time.perf_counter()
-            out = self.dequantized.decode(batch, None if crop is None else crop.source)
-            t2 = time.perf_counter()
-            self.dequantized.stats.add(t2 - t1, n)
+            out = self.dequantized.decode(batch, crop)
+            self.dequantized.stats.add(time.perf_counter() - t1, n)
             if crop is not None:
-                crop.zero_padding(out["x"])
-                self.stats.add(t1 - t0 + time.perf_counter() - t2, n)
+                self.stats.add(t1 - t0, n)
             yield out
 
     def stored_bytes(self) -> int:

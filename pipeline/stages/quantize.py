@@ -23,10 +23,12 @@ from ..stream import MapStream, Stream
 if TYPE_CHECKING:
     import torch
 
-    from ..codec import bitpack, quantile
+    from ..codec import bitpack, native, quantile
+    from .feature_aug import CropFlip
 else:
     torch = lazy_module("torch")
     bitpack = lazy_module("pipeline.codec.bitpack")
+    native = lazy_module("pipeline.codec.native")
     quantile = lazy_module("pipeline.codec.quantile")
 
 FLOAT_BITS = {16: "float16", 32: "float32"}
@@ -133,8 +135,8 @@ class Dequantize(Stage):
 class DequantizedStream(MapStream):
     """A quantized stream's batches as float32 feature maps ``x``: the dequantize stage's output.
 
-    :meth:`decode` can also rearrange each map while it dequantizes (``source``), which is
-    how a feature_aug stage right after it moves the stored codes instead of the floats.
+    :meth:`decode` can also crop and flip each map while it dequantizes, which is how a
+    feature_aug stage right after it moves the stored codes instead of the floats.
     """
 
     def __init__(self, parent: Stream, spec: Spec) -> None:
@@ -142,21 +144,28 @@ class DequantizedStream(MapStream):
         self.shape = tuple(spec.meta["feature_shape"])
         self.bits = spec.meta["bits"]
 
-    def decode(self, batch: Batch, source: torch.Tensor | None = None) -> Batch:
+    def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
         """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
 
-        ``source`` (N, H*W) int64: output position p of every map of sample i is read from
-        stored position ``source[i, p]`` (see :func:`pipeline.codec.quantile.dequantize`).
+        ``crop`` moves every map on the way, its padding +0.0: how a feature_aug stage right after
+        this one augments the stored codes instead of the floats. The compiled kernel makes the
+        maps in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give
+        the same bits otherwise.
         """
         out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
         if "codes" in batch:
-            q = quantile.QuantizedBatch(
-                codes=batch["codes"], lo=batch["lo"], scale=batch["scale"], bits=self.bits, shape=self.shape
-            )
-            out["x"] = quantile.dequantize(q, source)
-            return out
-        x = batch["x"]
-        if source is not None:  # stored as floats: move the (float16) values, then widen them
-            x = quantile.move_planes(x, source)
-        out["x"] = x.float()
+            move = None if crop is None else crop.move
+            x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits, self.shape,
+                                        move, threads=torch.get_num_threads())
+            if x is None:
+                q = quantile.QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"],
+                                            bits=self.bits, shape=self.shape)
+                x = quantile.dequantize(q, None if crop is None else crop.source)
+                if crop is not None:
+                    crop.zero_padding(x)
+        elif crop is not None:  # stored as floats: move the (float16) values, then widen them
+            x = crop.zero_padding(quantile.move_planes(batch["x"], crop.source).float())
+        else:
+            x = batch["x"].float()
+        out["x"] = x
         return out

@@ -1,0 +1,150 @@
+"""The compiled dequantize + crop/flip kernel: bit for bit the torch ops, its build and its fallbacks.
+
+The torch ops (``quantile.dequantize`` with a ``source``, then ``CropFlip.zero_padding``) are the
+specification; every comparison is of int32 bit patterns, so a sign of zero or a rounding differing
+would fail. Tests that need the kernel are skipped where no C compiler is found.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.codec import native
+from pipeline.codec.quantile import QuantizedBatch, dequantize, quantize
+from pipeline.stages.feature_aug import CropFlip, sample_uniforms
+
+needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture()
+def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """Forget the process's loaded kernel and build into ``tmp_path``; restored afterwards."""
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_looked_up", False)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+def torch_reference(q: QuantizedBatch, crop: CropFlip | None) -> torch.Tensor:
+    if crop is None:
+        return dequantize(q)
+    return crop.zero_padding(dequantize(q, crop.source))
+
+
+def bits_of(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 9),
+    c=st.integers(1, 5),
+    h=st.integers(1, 9),
+    w=st.integers(1, 9),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    padding=st.integers(0, 10),
+    hflip=st.sampled_from([0.0, 0.5, 1.0]),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_torch_ops(n, c, h, w, bits, padding, hflip, threads, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=gen) * 3
+    q = quantize(x, bits)
+    crop = CropFlip.draw(n, h, w, padding, hflip, sample_uniforms(torch.arange(n), seed, 0, 3))
+    for move in (None, crop):
+        got = native.dequantize_moved(q.codes, q.lo, q.scale, bits, (c, h, w),
+                                      None if move is None else move.move, threads=threads)
+        assert got is not None and got.shape == (n, c, h, w) and got.dtype == torch.float32
+        assert torch.equal(bits_of(got), bits_of(torch_reference(q, move)))
+
+
+@needs_compiler
+def test_every_float16_lo_and_scale_converts_exactly() -> None:
+    """All 63,488 finite float16 values and both infinities as lo (code 0) and as scale (code 1)."""
+    patterns = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = patterns[~patterns.isnan()]
+    n = len(values)
+    zero = torch.zeros(n, 1, dtype=torch.float16)
+    for codes, lo, scale in ((torch.zeros(n, 1, dtype=torch.uint8), values[:, None], zero),
+                             (torch.ones(n, 1, dtype=torch.uint8), zero, values[:, None])):
+        q = QuantizedBatch(codes=codes, lo=lo, scale=scale, bits=8, shape=(1, 1, 1))
+        got = native.dequantize_moved(codes, lo, scale, 8, (1, 1, 1))
+        assert torch.equal(bits_of(got), bits_of(dequantize(q)))
+
+
+@needs_compiler
+def test_padding_is_positive_zero_next_to_inf_and_nan() -> None:
+    q = quantize(torch.rand(4, 3, 5, 5), 2)
+    lo = q.lo.clone()
+    lo[0, 0], lo[1, 1] = float("inf"), float("nan")
+    crop = CropFlip.draw(4, 5, 5, 2, 0.5, np.array([[0.0, 0.0, 0.9]] * 4))  # dy = dx = -2
+    got = native.dequantize_moved(q.codes, lo, q.scale, 2, (3, 5, 5), crop.move)
+    assert torch.equal(bits_of(got[:, :, :2, :]), torch.zeros(4, 3, 2, 5, dtype=torch.int32))
+    assert torch.isinf(got[0, 0, 2:, 2:]).all() and torch.isnan(got[1, 1, 2:, 2:]).all()
+
+
+@needs_compiler
+def test_bad_arguments_are_named() -> None:
+    q = quantize(torch.rand(3, 2, 4, 4), 2)
+    with pytest.raises(ValueError, match=r"codes rows hold 8 bytes; 2-bit codes of \(2, 4, 5\) maps need 10"):
+        native.dequantize_moved(q.codes, q.lo, q.scale, 2, (2, 4, 5))
+    with pytest.raises(ValueError, match="lo must be float16 of shape \\(3, 2\\)"):
+        native.dequantize_moved(q.codes, q.lo.float(), q.scale, 2, (2, 4, 4))
+    with pytest.raises(ValueError, match="scale must be float16 of shape \\(3, 2\\)"):
+        native.dequantize_moved(q.codes, q.lo, q.scale[:2], 2, (2, 4, 4))
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        native.dequantize_moved(q.codes.int(), q.lo, q.scale, 2, (2, 4, 4))
+    move = (np.zeros(2), np.zeros(3), np.zeros(3))
+    with pytest.raises(ValueError, match="move must be three arrays of 3 values"):
+        native.dequantize_moved(q.codes, q.lo, q.scale, 2, (2, 4, 4), move)
+
+
+@needs_compiler
+def test_built_once_into_the_cache_folder_and_reused(fresh_kernel, monkeypatch) -> None:
+    assert native.kernel() is not None
+    built = list(fresh_kernel.glob("dequantize_moved-*.so"))
+    assert len(built) == 1 and not list(fresh_kernel.glob("*.so.tmp*"))
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_looked_up", False)
+    monkeypatch.setattr(native, "build", lambda *a: pytest.fail("rebuilt although the library exists"))
+    assert native.kernel() is not None
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_turned_off_or_without_compiler_falls_back_to_torch_ops(fresh_kernel, monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.kernel() is None
+    q = quantize(torch.rand(2, 3, 4, 4), 4)
+    assert native.dequantize_moved(q.codes, q.lo, q.scale, 4, (3, 4, 4)) is None
+    monkeypatch.setenv(native.ENV, "1")
+    monkeypatch.setattr(native, "_looked_up", False)
+    monkeypatch.setenv("CC", os.path.join(str(fresh_kernel), "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="no C compiler found"):
+        assert native.kernel() is None
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a shell to play a failing compiler")
+def test_a_failing_compiler_is_a_warning_not_an_error(fresh_kernel, monkeypatch) -> None:
+    fake = fresh_kernel / "broken-cc"
+    fake.write_text("#!/bin/sh\necho 'broken-cc: internal error' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(RuntimeWarning, match="broken-cc: internal error"):
+        assert native.kernel() is None
+    assert not list(fresh_kernel.glob("*.so"))  # no half-built library left to load next time
+
+
+def test_bad_switch_value_is_named(monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV, "yes")
+    with pytest.raises(ValueError, match="ONDEVICE_TL_NATIVE must be 1 .* or 0"):
+        native.native_requested()
