@@ -667,6 +667,9 @@ class ZarrReader(ChunkedReader):
         names = [name for name in sorted(self._arrays) if split_name(name)[0] == group]
         keys = {name: _chunk_key(self._arrays[name], index) for name in names}
 
+        if self._zarr_store is None:
+            return RawChunk(group, index, lo, hi, self._read_files(names, keys, index))
+
         async def get_all() -> list[Any]:
             # One trip to zarr's event loop for the whole chunk: the requests queue back to back
             # on the device instead of leaving it idle while this thread wakes up between them.
@@ -687,6 +690,28 @@ class ZarrReader(ChunkedReader):
                 )
             data[name] = buf
         return RawChunk(group, index, lo, hi, data)
+
+    def _read_files(self, names: list[str], keys: dict[str, str], index: int) -> dict[str, Any]:
+        """The chunk files of a plain directory store, read straight from disk.
+
+        What zarr's ``LocalStore.get`` returns, without its trip through the event loop and a
+        worker thread: ~0.1 ms instead of ~0.5 ms of CPU for a chunk of five arrays. That work runs
+        on the reader threads beside the training step (the next epoch's chunks are read while
+        this one's first step trains), where it slows the step it shares the cores with.
+        """
+        make = default_buffer_prototype().buffer.from_bytes
+        data: dict[str, Any] = {}
+        for name in names:
+            where = self._arrays[name].store_path
+            file = self.path / where.path / keys[name] if where.path else self.path / keys[name]
+            try:
+                with open(file, "rb") as f:
+                    data[name] = make(f.read())
+            except FileNotFoundError:
+                raise CorruptChunkError(
+                    str(self.path), name, index, f"chunk file {name}/{keys[name]} is missing"
+                ) from None
+        return data
 
     def decode_chunk(self, raw: RawChunk) -> dict[str, np.ndarray]:
         """The CPU half of :meth:`read_chunk`: crc32c check, decompression and bytes -> array (leaf -> array).
