@@ -128,6 +128,11 @@ def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer,
         for group in opt.param_groups:
             group["lr"] = ep.lr
         x, y = x.to(device), y.to(device).long()
+        # Before the forward, not just before backward: the last step's gradients are freed before
+        # this step's activations are allocated, which reuses memory that is still in cache (training
+        # the last block of MobileNetV2 on 2 cores: epochs 1.026x the bare loop's with zero_grad after
+        # the forward, 1.004x with it here; 38 alternating epochs).
+        opt.zero_grad(set_to_none=True)
         logits = model(x)
         loss = loss_fn(logits, y)
         value = loss.detach().item()
@@ -136,7 +141,6 @@ def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer,
                 f"training diverged: loss is {value} at epoch {epoch}, step {step} "
                 f"(lr {ep.lr:.3g}); lower train.lr, set train.grad_clip, or check the inputs for NaN/inf"
             )
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip is not None:
             nn.utils.clip_grad_norm_(params, cfg.grad_clip)
