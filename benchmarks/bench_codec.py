@@ -8,6 +8,9 @@ Maps are synthetic post-ReLU6 activations, ``clamp(randn * 2, 0, 6)``, with a fr
 zero (dead ReLU channels are common and are the codec's degenerate case). Timings are the minimum over
 repeats of a full-batch call divided by the batch size (the median is reported too): the machine is
 shared, so the minimum is the best estimate of the codec's own cost and the median shows the noise.
+Decompression is timed twice: with torch ops (``quantile.dequantize``, what runs without a C compiler)
+and with the compiled kernel (``pipeline.codec.native``, what training uses when it can be built),
+which is checked to give the same bits.
 
 Storage is reported per feature value: the packed codes (exactly ``bits`` bits), the per-channel float16
 lo and scale (2 x 16 bits per channel, amortized over H*W values), their sum beside the ideal bits/8,
@@ -27,6 +30,7 @@ import numcodecs
 import torch
 
 from benchmarks._meta import write_result
+from pipeline.codec import native
 from pipeline.codec.bitpack import packed_length
 from pipeline.codec.quantile import QuantizedBatch, dequantize, quantize
 
@@ -72,6 +76,15 @@ def measure(x: torch.Tensor, bits: int, k: float, repeats: int) -> dict[str, Any
     comp = [t / n * 1e6 for t in timings(lambda: quantize(x, bits, k), repeats)]
     decomp = [t / n * 1e6 for t in timings(lambda: dequantize(q), repeats)]
     xhat = dequantize(q)
+    kernel: dict[str, Any] | None = None
+    if native.kernel() is not None:
+        def run_kernel() -> torch.Tensor:
+            threads = torch.get_num_threads()
+            return native.dequantize_moved(q.codes, q.lo, q.scale, bits, SHAPE, threads=threads)
+
+        us = [t / n * 1e6 for t in timings(run_kernel, repeats)]
+        same = torch.equal(run_kernel().view(torch.int32), xhat.view(torch.int32))
+        kernel = {"min": min(us), "median": statistics.median(us), "same_bits_as_torch_ops": same}
     code_bits = q.codes.numel() * 8 / (n * elements)
     assert q.codes.shape[1] == packed_length(elements, bits)
     overhead_bits = (q.lo.numel() + q.scale.numel()) * 16 / (n * elements)
@@ -81,6 +94,7 @@ def measure(x: torch.Tensor, bits: int, k: float, repeats: int) -> dict[str, Any
         "decompress_us_per_map": {"min": min(decomp), "median": statistics.median(decomp)},
         "compress_target_met": min(comp) <= TARGETS_US["compress"],
         "decompress_target_met": min(decomp) <= TARGETS_US["decompress"],
+        "decompress_kernel_us_per_map": kernel,
         "code_bits_per_element": code_bits,
         "lo_scale_bits_per_element": overhead_bits,
         "stored_bytes_per_element": q.nbytes / (n * elements),
@@ -130,7 +144,8 @@ def main() -> None:
                           "the machine is shared, so the min is the codec's own cost"}
     print(f"codec: batch {args.batch} x {SHAPE} float32 post-ReLU6 maps, k={k}, {threads} thread(s); "
           f"us/map = min (median) over {args.repeats} repeats (shared machine: min is the estimate)")
-    head = (f"{'bits':>4} | {'compress us':>16} | {'decompress us':>16} | {'code b/el':>9} | "
+    head = (f"{'bits':>4} | {'compress us':>16} | {'decompress us':>16} | {'kernel us':>14} | "
+            f"{'code b/el':>9} | "
             f"{'lo+scale b/el':>13} | {'B/el stored':>11} | {'ideal':>6} | {'zstd3 B/el':>10} | {'rmse':>8}")
     print(head)
     print("-" * len(head))
@@ -138,8 +153,11 @@ def main() -> None:
         c, d = r["compress_us_per_map"], r["decompress_us_per_map"]
         ok_c = "ok" if r["compress_target_met"] else "!!"
         ok_d = "ok" if r["decompress_target_met"] else "!!"
+        kern = r["decompress_kernel_us_per_map"]
+        kern_text = "n/a" if kern is None else f"{kern['min']:5.1f} ({kern['median']:5.1f})"
         print(f"{r['bits']:>4} | {c['min']:6.1f} ({c['median']:5.1f}) {ok_c} | "
-              f"{d['min']:6.1f} ({d['median']:5.1f}) {ok_d} | {r['code_bits_per_element']:9.3f} | "
+              f"{d['min']:6.1f} ({d['median']:5.1f}) {ok_d} | {kern_text:>14} | "
+              f"{r['code_bits_per_element']:9.3f} | "
               f"{r['lo_scale_bits_per_element']:13.4f} | {r['stored_bytes_per_element']:11.4f} | "
               f"{r['ideal_bytes_per_element']:6.3f} | {r['zstd3_bytes_per_element']:10.4f} | "
               f"{r['rmse']:8.5f}")

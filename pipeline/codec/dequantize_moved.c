@@ -4,9 +4,9 @@
  * pipeline/codec/quantile.py and pipeline/stages/feature_aug.py are the specification it is tested
  * against, bit for bit).
  *
- * Per sample: unpack its codes once through a 256-entry byte table, work out where each output
- * position reads from (or that it is padding), then per channel write lo + code * scale through a
- * table of the 2**bits levels (bits <= 4) or computed (8 bits). Float arithmetic is exactly torch's:
+ * Per sample: unpack its codes once through a 256-entry byte table and list the output positions
+ * that are padding, then per channel write lo + code * scale: an unflipped map (a shift) in one
+ * contiguous loop, a flipped one row by row, each read backwards; then zero the padding. Float arithmetic is exactly torch's:
  * the product code * scale is exact (8-bit integer times a float16 value), the addition rounds once,
  * and -ffp-contract=off keeps the compiler from fusing them differently. Padding is written +0.0.
  */
@@ -51,13 +51,12 @@ typedef struct {
 static void *run_job(void *arg) {
     Job *j = (Job *)arg;
     const int64_t hw = j->height * j->width, w = j->width, h = j->height;
-    const int bits = j->bits, per = 8 / bits, levels = 1 << bits, mask = levels - 1;
+    const int bits = j->bits, per = 8 / bits, mask = (1 << bits) - 1;
     uint8_t *codes = malloc((size_t)(j->row_bytes * per));
-    int32_t *source = malloc(sizeof(int32_t) * (size_t)hw);
     int32_t *padding = malloc(sizeof(int32_t) * (size_t)hw);
     uint8_t table[256][8];
-    if (!codes || !source || !padding) {
-        free(codes), free(source), free(padding);
+    if (!codes || !padding) {
+        free(codes), free(padding);
         j->status = -1;
         return NULL;
     }
@@ -73,12 +72,11 @@ static void *run_job(void *arg) {
         int64_t pads = 0;
         const int64_t dy = j->dy ? j->dy[i] : 0, dx = j->dx ? j->dx[i] : 0;
         const int flip = j->flip ? j->flip[i] : 0;
+        const int64_t offset = dy * w + dx;
         for (int64_t r = 0; r < h; r++) {
             for (int64_t c = 0; c < w; c++) {
                 const int64_t sr = r + dy, sc = (flip ? w - 1 - c : c) + dx;
-                const int outside = sr < 0 || sr >= h || sc < 0 || sc >= w;
-                source[r * w + c] = outside ? 0 : (int32_t)(sr * w + sc);
-                if (outside) padding[pads++] = (int32_t)(r * w + c);
+                if (sr < 0 || sr >= h || sc < 0 || sc >= w) padding[pads++] = (int32_t)(r * w + c);
             }
         }
         for (int64_t ch = 0; ch < j->channels; ch++) {
@@ -86,17 +84,27 @@ static void *run_job(void *arg) {
             const float lo = half_to_float(j->lo[i * j->channels + ch]);
             const float scale = half_to_float(j->scale[i * j->channels + ch]);
             float *o = j->out + (i * j->channels + ch) * hw;
-            if (bits <= 4) {
-                float level[16];
-                for (int k = 0; k < levels; k++) level[k] = (float)k * scale + lo;
-                for (int64_t p = 0; p < hw; p++) o[p] = level[plane[source[p]]];
+            if (!flip) {
+                /* A shift reads the plane at a constant offset: one contiguous, vectorized loop. Positions
+                 * whose read falls off the plane are padding; those inside it that wrap across a row
+                 * edge are padding too; both are zeroed below. */
+                const int64_t first = offset < 0 ? -offset : 0, end = offset > 0 ? hw - offset : hw;
+                for (int64_t p = first; p < end; p++) o[p] = (float)plane[p + offset] * scale + lo;
             } else {
-                for (int64_t p = 0; p < hw; p++) o[p] = (float)plane[source[p]] * scale + lo;
+                /* A flip reads each row backwards: output (r, c) reads (r + dy, w - 1 - c + dx). */
+                const int64_t first = dx > 0 ? dx : 0, end = dx < 0 ? w + dx : w;
+                for (int64_t r = 0; r < h; r++) {
+                    const int64_t sr = r + dy;
+                    if (sr < 0 || sr >= h) continue; /* a padding row */
+                    const uint8_t *from = plane + sr * w + (w - 1 + dx);
+                    float *to = o + r * w;
+                    for (int64_t c = first; c < end; c++) to[c] = (float)from[-c] * scale + lo;
+                }
             }
             for (int64_t k = 0; k < pads; k++) o[padding[k]] = 0.0f;
         }
     }
-    free(codes), free(source), free(padding);
+    free(codes), free(padding);
     j->status = 0;
     return NULL;
 }
