@@ -21,6 +21,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
+from .codec.native import native_requested
 from .errors import PipelineError, missing_dependency
 from .heap import ENV as HEAP_ENV
 from .heap import keep_freed_heap, keep_freed_heap_requested
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         keep_heap = keep_freed_heap_requested()
         omp_pause_requested()  # read again where it applies; a bad value is named before any work
+        native_requested()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

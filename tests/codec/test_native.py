@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,7 +147,11 @@ def test_a_failing_compiler_is_a_warning_not_an_error(fresh_kernel, monkeypatch)
     assert not list(fresh_kernel.glob("*.so"))  # no half-built library left to load next time
 
 
-def test_bad_switch_value_is_named(monkeypatch) -> None:
+def test_bad_switch_value_is_named_before_any_work(monkeypatch) -> None:
     monkeypatch.setenv(native.ENV, "yes")
     with pytest.raises(ValueError, match="ONDEVICE_TL_NATIVE must be 1 .* or 0"):
         native.native_requested()
+    out = subprocess.run([sys.executable, "-m", "pipeline", "stages"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, native.ENV: "yes"})
+    assert out.returncode == 2 and "ONDEVICE_TL_NATIVE must be 1" in out.stderr and "'yes'" in out.stderr
+    assert "Traceback" not in out.stderr
