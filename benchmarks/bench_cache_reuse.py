@@ -56,6 +56,7 @@ import torch
 from PIL import Image
 
 from benchmarks._meta import write_result
+from pipeline.codec import native
 from pipeline.context import RunContext
 from pipeline.data.sources import synthetic
 from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
@@ -342,6 +343,9 @@ def main() -> None:
     # Likewise idle OpenMP workers are released before between-steps decoding unless
     # ONDEVICE_TL_OMP_PAUSE=0 (pipeline/openmp.py); the spawned processes read the same variable.
     omp_pause = omp_pause_requested()
+    # And cached features are dequantized by the compiled kernel when it can be built here
+    # (pipeline/codec/native.py); ONDEVICE_TL_NATIVE=0 measures the torch ops instead.
+    kernel = native.kernel() is not None
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=512, help="training samples per epoch")
     ap.add_argument("--epochs", type=int, default=3)
@@ -392,12 +396,14 @@ def main() -> None:
     path = write_result(
         "cache_reuse_epoch_time"
         + ("" if keep_heap else "_malloc_defaults")
-        + ("" if omp_pause else "_omp_spinning"),
+        + ("" if omp_pause else "_omp_spinning")
+        + ("" if kernel else "_torch_dequantize"),
         {
             "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
             "cache build throughput",
             "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
             + ("" if omp_pause else "ONDEVICE_TL_OMP_PAUSE=0 ")
+            + ("" if kernel else "ONDEVICE_TL_NATIVE=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
@@ -433,6 +439,9 @@ def main() -> None:
                 "openmp_idle_workers": "released before between-steps decoding (the default)"
                 if omp_pause
                 else "left spinning (ONDEVICE_TL_OMP_PAUSE=0)",
+                "dequantize": "compiled kernel, pipeline/codec/native.py (the default)"
+                if kernel
+                else "torch ops (ONDEVICE_TL_NATIVE=0 or no C compiler)",
             },
             "rows": rows,
             "targets": targets,

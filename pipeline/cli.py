@@ -21,11 +21,10 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .codec.native import native_requested
 from .errors import PipelineError, missing_dependency
 from .heap import ENV as HEAP_ENV
 from .heap import keep_freed_heap, keep_freed_heap_requested
-from .openmp import omp_pause_requested
+from .switches import check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -256,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         keep_heap = keep_freed_heap_requested()
-        omp_pause_requested()  # read again where it applies; a bad value is named before any work
-        native_requested()
+        check_switches()  # read again where each applies; a bad value is named before any work
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

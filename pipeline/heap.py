@@ -18,8 +18,9 @@ short of RAM opts out with ``ONDEVICE_TL_KEEP_HEAP=0``.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from .switches import switch
 
 ENV = "ONDEVICE_TL_KEEP_HEAP"
 # mallopt parameters (glibc's malloc.h)
@@ -29,11 +30,7 @@ M_MMAP_MAX = -4
 
 def keep_freed_heap_requested() -> bool:
     """True unless ``ONDEVICE_TL_KEEP_HEAP=0``; ValueError naming the variable for any other value."""
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (keep freed memory, the default) or 0 (glibc's defaults), "
-                         f"got {value!r}")
-    return value == "1"
+    return switch(ENV)
 
 
 _applied = False

@@ -22,6 +22,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from .switches import switch
+
 ENV = "ONDEVICE_TL_OMP_PAUSE"
 OMP_PAUSE_SOFT = 1  # omp_pause_soft: threads exit, the runtime's state stays
 RUNTIMES = ("libgomp", "libomp", "libiomp5")
@@ -32,11 +34,7 @@ _looked_up = False
 
 def omp_pause_requested() -> bool:
     """True unless ``ONDEVICE_TL_OMP_PAUSE=0``; ValueError naming the variable for any other value."""
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (release idle OpenMP workers between steps, the default) "
-                         f"or 0 (leave them spinning), got {value!r}")
-    return value == "1"
+    return switch(ENV)
 
 
 def _loaded_runtime() -> str | None:

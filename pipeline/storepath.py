@@ -11,9 +11,14 @@ from .errors import MissingPathError
 ENV_VAR = "ONDEVICE_TL_STORE"
 
 
-def default_store() -> Path:
+def user_cache_dir() -> Path:
+    """The toolkit's per-user cache folder: ``$XDG_CACHE_HOME/ondevice-tl``, else ``~/.cache/ondevice-tl``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ondevice-tl" / "store"
+    return Path(base) / "ondevice-tl"
+
+
+def default_store() -> Path:
+    return user_cache_dir() / "store"
 
 
 def resolve_store(cli: str | None, recipe: str | None, *, create: bool = True) -> Path:

@@ -32,6 +32,8 @@ import numpy as np
 
 from ..lazy import lazy_module
 from ..openmp import release_idle_workers
+from ..storepath import user_cache_dir
+from ..switches import switch
 
 if TYPE_CHECKING:
     import torch
@@ -55,19 +57,14 @@ _looked_up = False
 
 def native_requested() -> bool:
     """True unless ``ONDEVICE_TL_NATIVE=0``; ValueError naming the variable for any other value."""
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (use the compiled dequantize kernel, the default) or 0 "
-                         f"(torch ops only), got {value!r}")
-    return value == "1"
+    return switch(ENV)
 
 
 def cache_dir() -> Path:
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ondevice-tl" / "native"
+    return user_cache_dir() / "native"
 
 
 def _compiler() -> str | None:
