@@ -143,7 +143,7 @@ class AugmentWhileDequantizing(Stream):
     exact and the padding is +0.0 either way), but the maps are moved while they are made, in
     one pass of the compiled kernel (:mod:`pipeline.codec.native`), or with torch ops that move
     the one-byte codes instead of the four-byte floats. For 134 maps of 320x7x7 at 2 bits (Xeon,
-    2 threads): 1.0 ms with the kernel, 2.5 ms with the fused torch ops, 7.6 ms for the two
+    2 threads): 0.9 ms with the kernel, 2.3-2.8 ms with the fused torch ops, 7.6 ms for the two
     stages one after the other; this runs on the trainer's critical path every epoch. Time is
     booked as the two stages would book it: drawing the crops to feature_aug, making the maps
     (moves and padding included) to dequantize.
