@@ -101,6 +101,23 @@ def build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _check_owner(path: Path) -> None:
+    """Refuse a library that someone else could have written: loading it runs its code in this process.
+
+    The cache folder may be shared (``ONDEVICE_TL_NATIVE_CACHE`` on a common disk); a library there
+    is loaded only if this user owns it and its folder, nobody else can write the library, and the
+    folder is not writable by everyone (a group-writable one is the norm with per-user groups).
+    """
+    if not hasattr(os, "getuid"):  # not POSIX: file ownership means something else there
+        return
+    for item, others in ((path, 0o022), (path.parent, 0o002)):
+        st = item.stat()
+        if st.st_uid != os.getuid() or st.st_mode & others:
+            raise OSError(f"{item} is not owned by this user alone (owner uid {st.st_uid}, mode "
+                          f"{st.st_mode & 0o777:o}); not loading a library from there: set "
+                          f"{CACHE_ENV} to a folder of your own")
+
+
 def _load() -> Any:
     if not native_requested():
         return None
@@ -114,6 +131,7 @@ def _load() -> Any:
     try:
         if not path.exists():
             build(compiler, path)
+        _check_owner(path)
         fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         warnings.warn(f"could not build or load the dequantize kernel ({exc}); using torch ops",

@@ -155,3 +155,14 @@ def test_bad_switch_value_is_named_before_any_work(monkeypatch) -> None:
                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, native.ENV: "yes"})
     assert out.returncode == 2 and "ONDEVICE_TL_NATIVE must be 1" in out.stderr and "'yes'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX file ownership")
+def test_a_library_others_can_write_is_not_loaded(fresh_kernel, monkeypatch) -> None:
+    assert native.kernel() is not None
+    fresh_kernel.chmod(0o777)  # a shared, world-writable cache folder
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_looked_up", False)
+    with pytest.warns(RuntimeWarning, match="not owned by this user alone .* mode 777"):
+        assert native.kernel() is None
