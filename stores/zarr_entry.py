@@ -702,10 +702,8 @@ class ZarrReader(ChunkedReader):
         make = default_buffer_prototype().buffer.from_bytes
         data: dict[str, Any] = {}
         for name in names:
-            where = self._arrays[name].store_path
-            file = self.path / where.path / keys[name] if where.path else self.path / keys[name]
             try:
-                with open(file, "rb") as f:
+                with open(self._chunk_file(name, keys[name]), "rb") as f:
                     data[name] = make(f.read())
             except FileNotFoundError:
                 raise CorruptChunkError(
@@ -750,9 +748,13 @@ class ZarrReader(ChunkedReader):
         # A codec may hand back a view of its immutable bytes; callers (torch) expect to own the array.
         return out if out.flags.writeable else out.copy()
 
+    def _chunk_file(self, name: str, key: str) -> Path:
+        """Where chunk ``key`` of array ``name`` lives in a plain directory entry (no ``zarr_store``)."""
+        return self.path / name / key
+
     def _chunk_exists(self, name: str, key: str) -> bool:
         if self._zarr_store is None:
-            return (self.path / name / key).is_file()
+            return self._chunk_file(name, key).is_file()
         return bool(sync(self._zarr_store.exists(f"{name}/{key}")))
 
     def _read_in_chunk(self, name: str, index: int, lo: int, hi: int) -> np.ndarray:
