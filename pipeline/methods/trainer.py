@@ -70,12 +70,32 @@ class TrainResult:
     total_seconds: float = 0.0
 
 
+# Devices torch has fused optimizer kernels for (CPU since torch 2.4).
+FUSED_DEVICES = ("cpu", "cuda")
+
+
 def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` names, fused (one kernel per step for all parameters) where torch has one.
+
+    Why fused on a CPU: the for-loop Adam/AdamW takes the square root of the second moment with
+    ``torch.sqrt``, which on x86 runs about 15x slower on zeros than on other values (409,600
+    floats, 2 threads, Xeon: 486 us vs 32 us), and zeros are what a weight whose gradient is zero
+    holds (a classifier on features that are mostly zero: the step took 959 us against 487 with
+    nonzero gradients). The fused kernel steps the same tensor in 224-228 us either way, with the
+    same result for float32 (AdamW bit for bit, Adam within 1e-9 here). Older torch builds without
+    a fused CPU kernel refuse ``fused=True`` at construction; then the for-loop one is used.
+    """
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
+    else:
+        cls, kwargs = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW), {}
+    kwargs.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params):
+        try:
+            return cls(params, fused=True, **kwargs)
+        except RuntimeError:  # torch < 2.4 on a CPU: "fused=True requires ... supported devices"
+            pass
+    return cls(params, **kwargs)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -39,7 +39,7 @@ class Cache(Stage):
     resumable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through"}
+        {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through", "keep_in_memory_bytes"}
     )
 
     input: str
@@ -53,6 +53,10 @@ class Cache(Stage):
     prefetch_max_bytes: int | None = Field(None, ge=1, description="cap on the bytes of chunks read ahead")
     window_chunks: int = Field(
         4, ge=1, description="shuffle window in chunks: larger = more random, more memory"
+    )
+    keep_in_memory_bytes: int = Field(
+        128 << 20, ge=0, description="a split whose decoded chunks fit stays in memory after its first "
+        "read, so later epochs skip reading and decompressing it (train first, then val); 0: never"
     )
     read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
         None, description="simulate slow storage when reading (benchmarks, tests); zarr and hdf5"
@@ -140,4 +144,5 @@ class Cache(Stage):
             window_chunks=self.window_chunks,
             throttle=self.read_through,
             prefetch_max_bytes=self.prefetch_max_bytes,
+            keep_in_memory_bytes=self.keep_in_memory_bytes,
         )

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from pipeline.errors import DataError, ModelError
-from pipeline.methods.trainer import TrainConfig, evaluate, train
+from pipeline.methods.trainer import TrainConfig, evaluate, make_optimizer, train
 from pipeline.models.weights import load_weights, state_dict_hash
 from pipeline.models.zoo import build_backbone, split_at
 
@@ -137,6 +137,33 @@ def test_label_smoothing_and_optimizers_accepted() -> None:
         assert result.history[-1]["train_loss"] > 0.3 and result.best_val_acc > 0.8
     with pytest.raises(ValidationError):
         TrainConfig(label_smoothing=1.5)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_optimizers_are_fused_on_a_cpu_and_step_as_the_for_loop_ones(name: str) -> None:
+    # Gradients that are mostly zero: the case the for-loop Adam's square root is slow on.
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32), torch.randn(32)]
+    fused_params = [nn.Parameter(w.clone()) for w in weights]
+    loop_params = [nn.Parameter(w.clone()) for w in weights]
+    cfg = TrainConfig(lr=0.01, optimizer=name, weight_decay=0.01)
+    fused = make_optimizer(fused_params, cfg)
+    assert fused.defaults["fused"] is True
+    extra = {"momentum": cfg.momentum} if name == "sgd" else {}
+    loop = type(fused)(loop_params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False, **extra)
+    for _ in range(5):
+        for a, b in zip(fused_params, loop_params, strict=True):
+            grad = torch.randn_like(a) * (torch.rand_like(a) < 0.05)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        fused.step()
+        loop.step()
+    for a, b in zip(fused_params, loop_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_parameters_on_a_device_without_fused_kernels_get_the_for_loop_optimizer() -> None:
+    meta = [nn.Parameter(torch.empty(4, 4, device="meta"))]
+    assert not make_optimizer(meta, TrainConfig()).defaults["fused"]
 
 
 def test_config_is_strict_and_frozen() -> None:

@@ -228,6 +228,63 @@ def test_a_read_on_nobody_takes_over_is_stopped(zarr_entry: Path) -> None:
     assert not evaluation._read_on
 
 
+# ---------------------------------------------------------------------------- splits held in memory
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "hdf5"])
+def test_a_split_kept_in_memory_is_read_once_and_gives_the_same_epochs(
+    zarr_entry: Path, h5_entry: Path, fmt: str
+) -> None:
+    entry = zarr_entry if fmt == "zarr" else h5_entry
+    disk = StoredStream(entry, prefetch_depth=0)  # the reference: no reader threads of its own
+    held = StoredStream(entry, prefetch_depth=2, keep_in_memory_bytes=1 << 30)
+    fetched = recording_fetches(held)
+    n = held.reader.num_chunks("train")
+    unheld = StoredStream(entry, prefetch_depth=2).memory_bound("train")
+    assert held.memory_bound("train") == unheld + held.held_bytes()
+    assert held.held_bytes() == sum(held.split_bytes(s) for s in COUNTS)
+    for epoch in range(3):
+        got = read_all(held, shuffle=True, seed=3, epoch=epoch)
+        want = read_all(disk, shuffle=True, seed=3, epoch=epoch)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert held.in_memory("train")
+        assert not reader_threads() or epoch == 0, reader_threads()  # held: no thread, no read-on
+    assert sorted(fetched) == list(range(n))  # every chunk read once, in epoch 0
+    got, want = read_all(held), read_all(disk)  # an unshuffled pass of the held split
+    assert all(torch.equal(got[k], want[k]) for k in want) and len(fetched) == n
+    assert held.stats.samples == 4 * COUNTS["train"]  # counted like read samples
+
+
+def test_an_abandoned_first_pass_keeps_what_it_read_and_the_next_reads_the_rest(zarr_entry: Path) -> None:
+    held = StoredStream(zarr_entry, prefetch_depth=0, keep_in_memory_bytes=1 << 30)
+    fetched = recording_fetches(held)
+    it = held.open("train")
+    next(it)
+    it.close()
+    assert 0 < len(held._held["train"]) < held.reader.num_chunks("train") and not held.in_memory("train")
+    got = read_all(held, shuffle=True, seed=1, epoch=4)
+    want = read_all(StoredStream(zarr_entry, prefetch_depth=0), shuffle=True, seed=1, epoch=4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(fetched) == list(range(held.reader.num_chunks("train")))  # none read twice
+
+
+def test_splits_are_kept_train_first_within_the_budget(zarr_entry: Path) -> None:
+    probe = StoredStream(zarr_entry, prefetch_depth=0)
+    train, val = probe.split_bytes("train"), probe.split_bytes("val")
+    assert StoredStream(zarr_entry, keep_in_memory_bytes=0)._splits_kept() == []
+    assert StoredStream(zarr_entry, keep_in_memory_bytes=train)._splits_kept() == ["train"]
+    assert StoredStream(zarr_entry, keep_in_memory_bytes=train - 1)._splits_kept() == ["val"]
+    assert StoredStream(zarr_entry, keep_in_memory_bytes=train + val)._splits_kept() == ["train", "val"]
+    # A split not kept is read from storage on every pass.
+    slow = StoredStream(zarr_entry, prefetch_depth=0, throttle="sdcard", keep_in_memory_bytes=train)
+    read_all(slow, "val")
+    read_all(slow, "train")
+    slow.throttle_device.reset_stats()
+    read_all(slow, "val")
+    read_all(slow, "train")
+    assert slow.throttle_device.stats().reads == 3 * slow.reader.num_chunks("val")
+
+
 def test_chained_prefetch_forwards_errors_from_the_inner_stage() -> None:
     def source() -> Iterator[int]:
         yield 1
