@@ -214,3 +214,35 @@ def test_hdf5_backend_and_throttled_reads_give_the_same_samples(built: dict, tmp
     assert reference["bytes_through_simulator"] == 0 and slow["bytes_through_simulator"] > 0
     for split in ("train", "val"):
         assert torch.equal(from_h5[split], reference[split]) and torch.equal(slow[split], reference[split])
+
+
+def test_a_split_kept_in_memory_is_read_from_storage_once_and_keeping_is_a_reading_knob(
+    built: dict, tmp_path: Path
+) -> None:
+    from pipeline.context import RunContext
+    from pipeline.recipe import load_recipe
+    from pipeline.runner import Runner
+
+    store = built["store"]
+    entries = {e.fingerprint for e in Catalog(store).entries()}
+    passes = {}
+    for keep in (128 << 20, 0):  # the default, and reading every pass from storage
+        # prefetch 0: no read-on into the next epoch, so each epoch's reads are counted in it
+        knobs = {"read_through": "sdcard", "keep_in_memory_bytes": keep, "prefetch": 0}
+        path = _with_cache(built["recipe"], tmp_path, f"keep{keep}", **knobs)
+        runner = Runner(load_recipe(path), RunContext(catalog=Catalog(store)))
+        stream, cache = runner.output("read"), runner.output("cache")
+        device = cache.reader._zarr_store.device
+        got = []
+        for epoch in range(3):
+            device.reset_stats()
+            got.append(torch.cat([b["x"] for b in stream.open("train", shuffle=True, seed=1, epoch=epoch)]))
+            got.append(device.stats().reads)
+        passes[keep] = got
+        runner.release()
+    kept, unkept = passes[128 << 20], passes[0]
+    assert kept[1] > 0 and kept[3] == kept[5] == 0  # epochs 1 and 2 read nothing
+    assert unkept[1] == unkept[3] == unkept[5] == kept[1]  # every epoch reads every chunk again
+    for epoch in range(3):
+        assert torch.equal(kept[2 * epoch], unkept[2 * epoch])
+    assert {e.fingerprint for e in Catalog(store).entries()} == entries  # the same entry, reused
