@@ -54,6 +54,7 @@ Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bi
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import multiprocessing
 import tempfile
@@ -265,8 +266,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
         pair_epochs = max(args.epochs, 1 + math.ceil(args.pair_seconds / steady(limit_before)))
         two_only = recipe(args.samples, n, args.bits, pair_epochs, args.batch, images_dir)
         two_only["targets"] = ["two_stage"]
-        from_storage = recipe(args.samples, n, args.bits, pair_epochs, args.batch, images_dir)
-        from_storage["targets"] = ["two_stage"]
+        from_storage = copy.deepcopy(two_only)
         from_storage["stages"]["cache"]["keep_in_memory_bytes"] = 0  # same entry: a reading knob
 
         def two_stage_pass(spec: dict) -> float:

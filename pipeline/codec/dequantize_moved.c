@@ -6,9 +6,10 @@
  *
  * Per sample: unpack its codes once through a 256-entry byte table and list the output positions
  * that are padding, then per channel write lo + code * scale: an unflipped map (a shift) in one
- * contiguous loop, a flipped one row by row, each read backwards; then zero the padding. Float arithmetic is exactly torch's:
- * the product code * scale is exact (8-bit integer times a float16 value), the addition rounds once,
- * and -ffp-contract=off keeps the compiler from fusing them differently. Padding is written +0.0.
+ * contiguous loop, a flipped one row by row, each read backwards; then zero the padding. Float
+ * arithmetic is exactly torch's: the product code * scale is exact (8-bit integer times a float16
+ * value), the addition rounds once, and -ffp-contract=off keeps the compiler from fusing them
+ * differently. Padding is written +0.0.
  */
 #include <pthread.h>
 #include <stdint.h>

@@ -282,12 +282,10 @@ def _decode_chunks(
             t0 = time.perf_counter()
             if isinstance(raw, _Held):
                 batch = held[raw]  # type: ignore[index]
-                stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
-                yield batch
-                continue
-            arrays = reader.decode_chunk(raw)
-            del raw  # the encoded bytes are not held while this batch waits in the queue
-            batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+            else:
+                arrays = reader.decode_chunk(raw)
+                del raw  # the encoded bytes are not held while this batch waits in the queue
+                batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
             stats.add(fetch_s + time.perf_counter() - t0, len(next(iter(batch.values()))))
             yield batch
     finally:
@@ -306,15 +304,6 @@ def _keeping(chunks: Iterator[Batch], order: np.ndarray, held: dict[int, Batch])
             yield batch
     finally:
         chunks.close()  # type: ignore[attr-defined]  # stops the fetch thread with this generator
-
-
-def _held_chunks(held: dict[int, Batch], stats: StreamStats, order: np.ndarray) -> Iterator[Batch]:
-    """The chunks in ``order`` from memory (no I/O, no thread), counted in ``stats`` like read ones."""
-    for index in order:
-        t0 = time.perf_counter()
-        batch = held[int(index)]
-        stats.add(time.perf_counter() - t0, len(next(iter(batch.values()))))
-        yield batch
 
 
 class StoredStream(Stream):
@@ -458,12 +447,12 @@ class StoredStream(Stream):
         """Decoded chunks in ``order``, read ahead by the fetch and decode threads (started now if asked);
         straight from memory when the split is held there."""
         held = self._held.get(split)
-        if held is not None and all(int(index) in held for index in order):
-            return _held_chunks(held, self.stats, order)
-        fetched, decoded = self.stage_depths(split)
         # Module-level generators: the reader threads hold the reader, never this stream, so a
         # stream nobody uses any more is collected and its __del__ stops a pending read-on.
         raw: Iterator[tuple[Any, float]] = _fetch_chunks(self.reader, split, order, held)
+        if held is not None and all(int(index) in held for index in order):
+            return _decode_chunks(self.reader, self.stats, raw, held)  # nothing to read: no thread
+        fetched, decoded = self.stage_depths(split)
         if fetched:
             raw = prefetch(raw, fetched, name=f"fetch-{split}")
         chunks = _decode_chunks(self.reader, self.stats, raw, held)
