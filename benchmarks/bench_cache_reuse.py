@@ -72,6 +72,7 @@ from pipeline.context import RunContext
 from pipeline.data.sources import synthetic
 from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
 from pipeline.methods.trainer import TrainConfig, make_optimizer
+from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import build_backbone, split_at
 from pipeline.openmp import omp_pause_requested
 from pipeline.recipe import recipe_from_dict
@@ -213,7 +214,8 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
         t0 = time.perf_counter()
         batches = decoded_batches(runner)
         decode_ips = sum(len(x) for x in batches) / (time.perf_counter() - t0)
-        bottom, _ = split_at(runner.output("model").build(), n)
+        # The bottom as the frozen forward runs it: frozen, batch norms folded into the convolutions.
+        bottom = fold_batch_norms(split_at(runner.output("model").build(), n)[0].requires_grad_(False))
         train_samples = runner.specs["images"].splits["train"].num_samples
         total = sum(s.num_samples for s in runner.specs["images"].splits.values())
         fwd_before = bare_forward(bottom, batches)
@@ -234,7 +236,9 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
             scratch_ctx = RunContext(catalog=Catalog(Path(scratch)), seed=0, recipe_name=f"bench-n{n}")
             build_runner = Runner(recipe_from_dict(build_only), scratch_ctx)
             build_batches = decoded_batches(build_runner)
-            build_bottom, _ = split_at(build_runner.output("model").build(), n)
+            build_bottom = fold_batch_norms(
+                split_at(build_runner.output("model").build(), n)[0].requires_grad_(False)
+            )
         build_total = sum(len(x) for x in build_batches)
 
         def rebuild() -> float:

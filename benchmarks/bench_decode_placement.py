@@ -32,6 +32,7 @@ from benchmarks._meta import write_result
 from benchmarks.bench_cache_reuse import bare_forward, decoded_batches, num_images, recipe, write_image_folder
 from pipeline.context import RunContext
 from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
+from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import split_at
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
@@ -73,7 +74,9 @@ def main() -> None:
             ctx = RunContext(catalog=Catalog(Path(store)), seed=0, recipe_name="bench-decode-placement")
             runner = Runner(recipe_from_dict(spec), ctx)
             batches = decoded_batches(runner)
+            # as the frozen forward runs it: frozen, batch norms folded
             bottom, _ = split_at(runner.output("model").build(), args.cut)
+            bottom = fold_batch_norms(bottom.requires_grad_(False))
         total = sum(len(x) for x in batches)
         for r in range(args.rounds):
             order = ["bare", *PLACEMENTS]

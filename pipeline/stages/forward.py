@@ -24,6 +24,7 @@ from pydantic import Field
 
 from ..errors import ModelError, StageError
 from ..lazy import lazy_module
+from ..models.fold import fold_batch_norms
 from ..ops.batching import Batch, rechunk
 from ..registry import register
 from ..spec import MODEL, STREAM, FieldSpec, Spec, SplitSpec
@@ -83,6 +84,8 @@ class FrozenForward(Stage):
     kind: ClassVar[str] = STREAM
     inputs: ClassVar[dict[str, str]] = {"input": STREAM, "model": MODEL}
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size"})
+    # 2: batch norms folded into the convolutions (fp32/bf16): outputs differ in the last bits
+    version: ClassVar[int] = 2
 
     input: str
     model: str
@@ -141,12 +144,14 @@ class FrozenForward(Stage):
         for p in bottom.parameters():
             p.requires_grad_(False)
         bottom.eval()
-        if self.precision == "int8":
+        if self.precision == "int8":  # int8 conversion folds the batch norms itself
             bottom, used = self._int8(ctx, inputs["input"], bottom, name)
             spec = Spec(spec.kind, spec.num_classes, spec.splits,
                         {**spec.meta, "cut": {**spec.meta["cut"], "precision": used}})
         elif self.precision == "bf16" and ctx.torch_device.type != "cpu":
             raise StageError(f"precision: bf16 is implemented with CPU autocast; run.device is {ctx.device}")
+        else:
+            bottom = fold_batch_norms(bottom)
         return ForwardStream(inputs["input"], bottom.to(ctx.torch_device), spec, self.batch_size,
                              autocast_bf16=self.precision == "bf16")
 
