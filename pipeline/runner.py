@@ -187,25 +187,21 @@ class Runner:
                 f"[{name}] waiting: {who} is building {stage.kind} {fp[:12]}; it will be reused when done"
             )
 
-        estimate = stage.estimate_bytes(self.specs[name])
-        with self.ctx.catalog.stage(
-            fp, stage.kind, lineage, resume=stage.resumable, estimate_bytes=estimate, on_wait=waiting
-        ) as staging:
-            if staging.existing is not None:
-                entry, reused = staging.existing, True
-                self.ctx.progress.log(
-                    f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run"
-                )
-            else:
-                self.ctx.progress.log(
-                    f"[{name}] computing {stage.kind} {fp[:12]}"
-                    + (" (resuming an interrupted build)" if staging.resumed else "")
-                )
-                extra = stage.build(self.ctx, inputs, staging.path, name)
-                entry, reused = staging.commit(extra), False
-            held = self.ctx.catalog.use(fp)  # inside the block, so nothing evicts it in between
-        self._held.append(held)
-        return stage.load(self.ctx, held.entry, name), 0 if reused else entry.size_bytes, reused
+        def build(staging: Any) -> dict[str, Any] | None:
+            self.ctx.progress.log(
+                f"[{name}] computing {stage.kind} {fp[:12]}"
+                + (" (resuming an interrupted build)" if staging.resumed else "")
+            )
+            return stage.build(self.ctx, inputs, staging.path, name)
+
+        built = self.ctx.catalog.reuse_or_build(
+            fp, stage.kind, lineage, build, resume=stage.resumable,
+            estimate_bytes=stage.estimate_bytes(self.specs[name]), on_wait=waiting,
+        )
+        if built.reused:
+            self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
+        self._held.append(built.use)
+        return stage.load(self.ctx, built.entry, name), 0 if built.reused else built.entry.size_bytes, built.reused
 
     def release(self) -> None:
         """Stop streams reading ahead, and let go of the entries this run was reading (evictable again)."""

@@ -452,6 +452,19 @@ class EntryUse:
 
 
 @dataclass
+class Built:
+    """What :meth:`Catalog.reuse_or_build` returns: the held entry and how it came to be."""
+
+    use: EntryUse
+    reused: bool  # stored before, or built meanwhile by another process
+    resumed: bool  # this build continued an interrupted one
+
+    @property
+    def entry(self) -> Entry:
+        return self.use.entry
+
+
+@dataclass
 class GcReport:
     """What :meth:`Catalog.gc` removed: staging dirs and lock files (by name), trash items, bytes."""
 
@@ -633,6 +646,37 @@ class Catalog:
             wait_timeout=wait_timeout,
             on_wait=on_wait,
         )
+
+    def reuse_or_build(
+        self,
+        fingerprint: str,
+        kind: str,
+        lineage: dict[str, Any],
+        build: Callable[[Staging], dict[str, Any] | None],
+        *,
+        resume: bool = False,
+        estimate_bytes: int | None = None,
+        on_wait: Callable[[LockHolder | None], None] | None = None,
+    ) -> Built:
+        """The one look-up-or-build-and-commit sequence every producer of an entry goes through.
+
+        A stored entry is held and returned as it is. Otherwise ``build(staging)`` writes the
+        files into ``staging.path`` (continuing a leftover one when ``staging.resumed``) and
+        returns the manifest's extra fields; the entry is committed and held. When another
+        process built it while this one waited for the lock, that entry is taken instead. The
+        returned :class:`Built` holds the entry (not evictable) until ``use.release()``.
+        """
+        held = self.try_use(fingerprint)
+        if held is not None:
+            return Built(held, reused=True, resumed=False)
+        with self.stage(
+            fingerprint, kind, lineage, resume=resume, estimate_bytes=estimate_bytes, on_wait=on_wait
+        ) as staging:
+            reused, resumed = staging.existing is not None, staging.resumed
+            if not reused:
+                staging.commit(build(staging))
+            held = self.use(fingerprint)  # inside the block, so nothing evicts it in between
+        return Built(held, reused=reused, resumed=resumed)
 
     # ------------------------------------------------------------------ listing
     def entries(self) -> list[Entry]:
