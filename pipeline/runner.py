@@ -201,7 +201,8 @@ class Runner:
         if built.reused:
             self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
         self._held.append(built.use)
-        return stage.load(self.ctx, built.entry, name), 0 if built.reused else built.entry.size_bytes, built.reused
+        written = 0 if built.reused else built.entry.size_bytes
+        return stage.load(self.ctx, built.entry, name), written, built.reused
 
     def release(self) -> None:
         """Stop streams reading ahead, and let go of the entries this run was reading (evictable again)."""

@@ -75,3 +75,30 @@ class Spec:
             for name, s in self.splits.items()
         }
         return Spec(self.kind, self.num_classes, new_splits, {**self.meta, **meta})
+
+
+# The JSON form of a spec is part of every stored entry's attributes (an on-disk format):
+# a change here is a format change, caught by the golden files.
+def spec_to_json(spec: Spec) -> dict[str, Any]:
+    return {
+        "kind": spec.kind,
+        "num_classes": spec.num_classes,
+        "splits": {
+            name: {
+                "num_samples": s.num_samples,
+                "fields": {k: [list(f.shape), f.dtype] for k, f in s.fields.items()},
+            }
+            for name, s in spec.splits.items()
+        },
+        "meta": dict(spec.meta),
+    }
+
+
+def spec_from_json(data: dict[str, Any]) -> Spec:
+    splits = {
+        name: SplitSpec(
+            s["num_samples"], {k: FieldSpec(tuple(shape), dtype) for k, (shape, dtype) in s["fields"].items()}
+        )
+        for name, s in data["splits"].items()
+    }
+    return Spec(data["kind"], data["num_classes"], splits, data["meta"])

@@ -21,7 +21,7 @@ import numpy as np
 from stores.layout import ArraySpec
 
 from ..lazy import lazy_module
-from ..spec import FieldSpec, Spec, SplitSpec
+from ..spec import Spec, spec_from_json, spec_to_json
 from ..stream import Stream, StreamStats, samples_from
 from .batching import Batch
 from .prefetch import StartedPrefetch, prefetch
@@ -41,31 +41,6 @@ else:
 SPEC_ATTR = "pipeline_spec"
 # Bytes an encoded chunk may exceed its decoded size by (frame headers, crc32c), per chunk.
 _ENCODED_SLACK = 4096
-
-
-def spec_to_json(spec: Spec) -> dict[str, Any]:
-    return {
-        "kind": spec.kind,
-        "num_classes": spec.num_classes,
-        "splits": {
-            name: {
-                "num_samples": s.num_samples,
-                "fields": {k: [list(f.shape), f.dtype] for k, f in s.fields.items()},
-            }
-            for name, s in spec.splits.items()
-        },
-        "meta": dict(spec.meta),
-    }
-
-
-def spec_from_json(data: dict[str, Any]) -> Spec:
-    splits = {
-        name: SplitSpec(
-            s["num_samples"], {k: FieldSpec(tuple(shape), dtype) for k, (shape, dtype) in s["fields"].items()}
-        )
-        for name, s in data["splits"].items()
-    }
-    return Spec(data["kind"], data["num_classes"], splits, data["meta"])
 
 
 def chunk_samples_for(spec: Spec, chunk_bytes: int) -> int:
