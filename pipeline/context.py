@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,6 +19,18 @@ from .progress import Progress
 
 if TYPE_CHECKING:
     from .recipe import Recipe
+    from .spec import Spec
+
+
+class CacheExecutor(Protocol):
+    """Builds a cache entry outside this process (the recipe's ``executor``), chosen by the runner.
+
+    Stages see only this protocol, so no stage imports an executor.
+    """
+
+    def build_cache(
+        self, ctx: RunContext, *, name: str, input_name: str, spec: Spec, staging: Path, layout: Any
+    ) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -36,6 +48,9 @@ class RunContext:
     # re-creates the upstream graph on each worker from it (and reads recipe.executor). None:
     # run everything in this process.
     recipe: Recipe | None = None
+    # Where cache entries are built when not in this process (None: here). Set by the runner
+    # from recipe.executor; stages call it instead of importing an executor.
+    executor: CacheExecutor | None = None
 
     @property
     def torch_device(self) -> torch.device:
