@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from zarr.storage import LocalStore
 
 from stores.catalog import Catalog
 from stores.errors import CorruptChunkError, EntryWriteError
@@ -48,7 +47,7 @@ def test_round_trip_any_batching(
 
 
 def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    by_array = entry_checks.record_slice_writes(monkeypatch, zarr.AsyncArray, lambda arr: arr.path, "setitem")
+    by_array = entry_checks.record_slice_writes(monkeypatch, zarr.Array, lambda arr: arr.path)
     write_entry(tmp_path, {"train": 23, "val": 10}, chunk=4, batch=3)
     assert by_array["train/codes"] == [(i, min(i + 4, 23)) for i in range(0, 23, 4)]
     assert by_array["val/features"] == [(0, 4), (4, 8), (8, 10)]
@@ -57,7 +56,7 @@ def test_each_chunk_written_once_and_whole(tmp_path: Path, monkeypatch: pytest.M
 def test_a_groups_short_last_chunk_is_written_with_its_last_sample(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writes = entry_checks.record_slice_writes(monkeypatch, zarr.AsyncArray, lambda arr: arr.path, "setitem")
+    writes = entry_checks.record_slice_writes(monkeypatch, zarr.Array, lambda arr: arr.path)
     entry_checks.check_tail_written_with_last_sample(ZarrWriter, tmp_path, writes, lambda name: name)
 
 
@@ -138,18 +137,3 @@ def test_each_group_can_have_its_own_chunk_length(tmp_path: Path) -> None:
 def test_a_chunk_length_per_group_must_name_each_group_once(tmp_path: Path, chunks: dict[str, int]) -> None:
     with pytest.raises(EntryWriteError, match="chunk"):
         ZarrWriter(tmp_path / "e", SPECS, {"train": 8, "val": 8}, chunks)
-
-
-def test_direct_file_reads_fetch_what_zarrs_store_returns(tmp_path: Path) -> None:
-    """A plain directory entry is fetched with open().read(); through a zarr store, with its get():
-    the same bytes of every array's chunk, and the same arrays once decoded."""
-    write_entry(tmp_path, {"train": 23, "val": 10}, chunk=4, batch=3)
-    direct = ZarrReader(tmp_path)
-    via_zarr = ZarrReader(tmp_path, zarr_store=LocalStore(tmp_path, read_only=True))
-    for group in ("train", "val"):
-        for index in range(direct.num_chunks(group)):
-            a, b = direct.fetch_chunk(group, index), via_zarr.fetch_chunk(group, index)
-            assert a.data.keys() == b.data.keys() and (a.lo, a.hi) == (b.lo, b.hi)
-            assert all(a.data[k].to_bytes() == b.data[k].to_bytes() for k in a.data)
-            for name, value in direct.decode_chunk(a).items():
-                np.testing.assert_array_equal(value, via_zarr.decode_chunk(b)[name])
