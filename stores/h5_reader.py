@@ -169,7 +169,8 @@ class H5Reader(ChunkedReader):
 
     @property
     def attrs(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._attrs))  # a deep copy: callers may mutate it
+        copied: dict[str, Any] = json.loads(json.dumps(self._attrs))  # a deep copy: callers may mutate it
+        return copied
 
     # ---------------------------------------------------------------------------------- reads
 
@@ -208,7 +209,7 @@ class H5Reader(ChunkedReader):
                     index,
                     "the chunk is missing (never written; HDF5 would return zeros)",
                 )
-            return dset[lo:hi]
+            return np.asarray(dset[lo:hi])
         except CorruptChunkError:
             raise
         except DECODE_ERRORS as exc:

@@ -164,8 +164,9 @@ class ZarrWriter(ChunkedWriter):
         self._write_metadata()
         root = zarr.open_group(store=DurableLocalStore(self.path), mode="r+", zarr_format=3)
         # write_empty_chunks is runtime config, not metadata: without it an all-zero chunk gets no file.
+        members = array_members(root)
         self._arrays: dict[str, Any] = {
-            name: root[name].with_config({"write_empty_chunks": True}) for name in sorted(self.specs)
+            name: members[name].with_config({"write_empty_chunks": True}) for name in sorted(self.specs)
         }
         if self.resumed:
             self._adopt_chunks()
@@ -178,7 +179,7 @@ class ZarrWriter(ChunkedWriter):
 
     def _compare_metadata(self) -> str | None:
         """None if every zarr.json on disk equals the requested one (missing ones are fine), else why not."""
-        for key, wanted in sorted(self._docs.items()):
+        for key, wanted_doc in sorted(self._docs.items()):
             try:
                 raw = (self.path / key).read_bytes()
             except FileNotFoundError:
@@ -187,8 +188,8 @@ class ZarrWriter(ChunkedWriter):
                 on_disk = json.loads(raw)
             except ValueError:
                 return f"{key} on disk is not valid JSON"
-            if on_disk != json.loads(wanted):
-                return describe_difference(key, on_disk, json.loads(wanted))
+            if on_disk != json.loads(wanted_doc):
+                return describe_difference(key, on_disk, json.loads(wanted_doc))
         for dirpath, _dirnames, filenames in os.walk(self.path):
             if META in filenames:
                 key = Path(dirpath, META).relative_to(self.path).as_posix()
@@ -311,12 +312,13 @@ class ZarrWriter(ChunkedWriter):
             root = zarr.open_group(store=DurableLocalStore(path), mode="r+", zarr_format=3)
         except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
             raise EntryWriteError(f"{path} is not a writable zarr v3 group: {exc}") from None
-        names = sorted(array_members(root))
+        members = array_members(root)
+        names = sorted(members)
         if array not in names:
             raise EntryWriteError(
                 f"no array {array!r} in zarr entry {path}; arrays: {names}" + did_you_mean(array, names)
             )
-        arr = root[array].with_config({"write_empty_chunks": True})
+        arr = members[array].with_config({"write_empty_chunks": True})
         n, c = int(arr.shape[0]), int(arr.chunks[0])
         total = -(-n // c)
         prepared: list[tuple[int, np.ndarray]] = []

@@ -35,14 +35,14 @@ _STAGES = ("array_array_codecs", "array_bytes_codec", "bytes_bytes_codecs")
 Decoder = Callable[[Any, int], np.ndarray]
 
 
-def decoder(arr: zarr.Array) -> Decoder | None:
+def decoder(arr: zarr.Array[Any]) -> Decoder | None:
     """``decode(stored_bytes, chunk_index) -> array`` for ``arr``'s chunks, or None if zarr lacks the hooks.
 
     Decode errors propagate as zarr raises them (crc32c mismatch: ValueError; damaged
     zstd/blosc frame: RuntimeError); the caller turns them into its own error.
     """
     inner = arr.async_array
-    pipeline = inner.codec_pipeline
+    pipeline: Any = inner.codec_pipeline  # its three codec stages are attributes of the batched pipeline
     if not all(hasattr(pipeline, stage) for stage in _STAGES):
         return None
     if not hasattr(inner.metadata, "get_chunk_spec"):

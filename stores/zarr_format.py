@@ -49,7 +49,7 @@ def codecs(compressor: str, level: int, checksum: bool, itemsize: int) -> list[A
     return chain
 
 
-def durable_put(path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
+def durable_put(path: Path, data: bytes | bytearray | memoryview, exclusive: bool = False) -> None:
     """A chunk or metadata file, written durably but without a directory fsync (see
     :func:`stores.durable.atomic_write_bytes`, ``sync_dir``): a chunk whose name did not survive
     a crash is missing and rewritten on resume, and the catalog fsyncs the tree at commit."""

@@ -270,9 +270,10 @@ class StoredStream(Stream):
     def _epoch_chunks(self, split: str, seed: int, epoch: int) -> Iterator[Batch]:
         """A shuffled epoch's chunks (taken over from the read-on when it is this epoch's); read
         to the end, they start the next epoch's reading."""
-        chunks = self._take_read_on(split, seed, epoch)
-        if chunks is None:
-            chunks = self._chunks(split, self._shuffled_order(split, seed, epoch))
+        ahead = self._take_read_on(split, seed, epoch)
+        chunks: Iterator[Batch] = (
+            ahead if ahead is not None else self._chunks(split, self._shuffled_order(split, seed, epoch))
+        )
         try:
             yield from chunks
         finally:
