@@ -1,7 +1,7 @@
 """Simulate slow storage (SD card, eMMC, SSD) so cache/prefetch behaviour can be tested on a fast laptop.
 
-A developer's NVMe disk with a warm page cache is 100x faster than the SD card a Raspberry Pi
-reads its cache from, so a pipeline that "keeps up" on the laptop can starve its trainer on the
+A developer's NVMe disk with a warm page cache is orders of magnitude faster than the SD card a
+Raspberry Pi reads its cache from, so a pipeline that "keeps up" on the laptop can starve its trainer on the
 device. The throttle makes storage cost what it would on the target:
 
     time of one command = latency + bytes / bandwidth

@@ -78,7 +78,7 @@ def start_local_cluster(workers: int, threads_per_worker: int, *, allowed_failur
     """
     # Dask's nannies give workers MALLOC_TRIM_THRESHOLD_=65536 (to hand freed memory back fast).
     # Setting it also freezes glibc's mmap threshold, so torch's large activation buffers are
-    # mapped and faulted in afresh on every batch: measured here, the frozen forward ran at half speed.
+    # mapped and faulted in afresh on every batch, which slows the frozen forward down markedly.
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.pop(MALLOC_TRIM, None)
     settings = {

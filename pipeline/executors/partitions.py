@@ -4,10 +4,10 @@ Chunk alignment is what lets many processes write one zarr entry with no coordin
 every chunk file belongs to exactly one partition and is written whole, once, by it.
 
 Batch alignment is what keeps the bytes equal to a local build's. torch's CPU
-convolutions may round differently for a different batch composition (measured here:
-MobileNetV2 at 224 px gives other float32 bits for a sample in a batch of 13 than in a
-batch of 16), so a worker must form exactly the batches a local build forms: it opens
-the stream at the batch boundary before its partition and drops the lead-in samples.
+convolutions may round differently for a different batch composition (a sample can get
+other float32 bits in a batch of another size), so a worker must form exactly the batches
+a local build forms: it opens the stream at the batch boundary before its partition and
+drops the lead-in samples.
 Partitions that start on a batch boundary need no lead-in, so automatic partitioning
 prefers them.
 """

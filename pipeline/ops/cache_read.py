@@ -132,8 +132,8 @@ class StoredStream(Stream):
     each chunk once it has been read, checked and decompressed, so no chunk of it is read twice;
     when every chunk a pass needs is held, the pass starts no thread either. Re-reading them every
     epoch costs CPU time, not just I/O (the file is in the page cache after the first epoch, but
-    each chunk is still crc32c-checked and zstd-decompressed again: 1.0 ms of CPU per chunk of 134
-    samples of 2-bit 320x7x7 maps, on the cores training runs on). Splits are admitted train first,
+    each chunk is still crc32c-checked and zstd-decompressed again, on the cores training runs
+    on). Splits are admitted train first,
     then val, then the rest, each if it fits in what the others left of the budget; 0 keeps
     nothing. The held batches are shared by every later pass, so consumers must not modify a batch
     in place (no stage of the toolkit does: each makes new tensors).
