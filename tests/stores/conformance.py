@@ -20,7 +20,9 @@ import pytest
 
 from stores.entry import EntryLayout, EntryReader, EntryWriter, Format, open_reader, open_writer
 from stores.errors import CorruptChunkError, EntryReadError, EntryWriteError
-from stores.layout import ArraySpec
+from stores.layout import ArraySpec, split_name
+from tests.stores import entry_checks
+from tests.stores.entry_checks import SPECS
 
 # Every dtype a cache stores: bit-packed codes (1, 2, 4, 8 bits are all uint8 bytes on disk, of
 # different widths), float16 features, labels and quantization parameters.
@@ -82,6 +84,29 @@ class EntryBackendTests:
 
     def writer(self, entry_dir: Path, layout: EntryLayout, **kwargs: Any) -> EntryWriter:
         return open_writer(entry_dir, self.fmt, layout, **kwargs)
+
+    def make_writer(
+        self,
+        entry_dir: Path,
+        arrays: dict[str, ArraySpec],
+        counts: int | dict[str, int],
+        chunk: int,
+        attrs: dict[str, Any] | None = None,
+        compressor: str | None = None,
+        **kwargs: Any,
+    ) -> EntryWriter:
+        """A writer from the arguments the shared checks pass (one count or a count per group)."""
+        entry_dir.mkdir(parents=True, exist_ok=True)
+        groups = sorted({split_name(name)[0] for name in arrays})
+        layout = EntryLayout(
+            arrays=arrays,
+            counts=dict.fromkeys(groups, counts) if isinstance(counts, int) else counts,
+            chunk_samples=dict.fromkeys(groups, chunk),
+            attrs=dict(attrs or {}),
+            compressor=compressor or self.compressor,
+            level=3,
+        )
+        return self.writer(entry_dir, layout, **kwargs)
 
     def reader(self, entry_dir: Path) -> EntryReader:
         return open_reader(entry_dir, throttle=self.throttle)
@@ -223,3 +248,41 @@ class EntryBackendTests:
             writer.write("train", {"x": np.arange(2, dtype=np.int32)})
         with pytest.raises(EntryWriteError, match="expected 6 samples, got 5"):
             writer.close()
+
+    def test_groups_of_different_lengths_round_trip(self, tmp_path: Path) -> None:
+        data = entry_checks.write_entry(self.make_writer, tmp_path, {"train": 23, "val": 10}, 4, 3)
+        entry_checks.check_23_and_10_in_chunks_of_4(self.reader(tmp_path), data)
+
+    @entry_checks.any_batching
+    def test_round_trip_any_batching(
+        self, tmp_path_factory: pytest.TempPathFactory, n_train: int, n_val: int, chunk: int, batch: int
+    ) -> None:
+        path = tmp_path_factory.mktemp("e")
+        counts = {"train": n_train, "val": n_val}
+        data = entry_checks.write_entry(self.make_writer, path, counts, chunk, batch)
+        entry_checks.check_reads_back(self.reader(path), data, chunk)
+
+    def test_too_few_samples_is_a_clear_error(self, tmp_path: Path) -> None:
+        entry_checks.check_too_few_samples(self.make_writer(tmp_path, SPECS, {"train": 10, "val": 3}, 4))
+
+    def test_too_many_samples_is_refused_before_writing(self, tmp_path: Path) -> None:
+        entry_checks.check_too_many_samples(self.make_writer(tmp_path, {"x": ArraySpec((), "int32")}, 5, 4))
+        np.testing.assert_array_equal(self.reader(tmp_path).read("", "x"), [0, 1, 2, 3, 9])
+
+    def test_bad_batches_and_declarations_are_explained(self, tmp_path: Path) -> None:
+        entry_checks.check_bad_batches(self.make_writer(tmp_path / "e", SPECS, {"train": 4, "val": 4}, 2))
+        entry_checks.check_bad_declarations(
+            lambda name, *args, **kw: self.make_writer(tmp_path / name, *args, **kw)
+        )
+
+    def test_reader_errors_name_group_and_range(self, tmp_path: Path) -> None:
+        entry_checks.write_entry(self.make_writer, tmp_path, {"train": 5, "val": 0}, 2, 2)
+        entry_checks.check_reader_errors(self.reader(tmp_path))
+        with pytest.raises(FileNotFoundError):
+            self.reader(tmp_path / "absent")
+
+    def test_writer_memory_does_not_grow_with_samples(self, tmp_path: Path) -> None:
+        chunks = entry_checks.check_writer_memory_is_flat(
+            lambda arrays, n, chunk: self.make_writer(tmp_path, arrays, n, chunk, compressor="none")
+        )
+        assert self.reader(tmp_path).num_chunks() == chunks
