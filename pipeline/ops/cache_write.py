@@ -190,7 +190,8 @@ def write_stream(
         # with other chunking or codec settings is rebuilt, never mixed in.
         writer = open_writer(entry_dir, fmt, layout, resume=True, on_mismatch="wipe")
         if writer.restart_reason is not None and log is not None:
-            log(f"could not resume the interrupted {fmt} build ({writer.restart_reason}); starting over")
+            kind = "HDF5" if fmt == "hdf5" else fmt
+            log(f"could not resume the interrupted {kind} build ({writer.restart_reason}); starting over")
         return writer
 
     if not entry_dir.is_dir() or not any(entry_dir.iterdir()):
