@@ -41,6 +41,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,7 @@ class ZarrWriter(ChunkedWriter):
         }
         if self.resumed:
             self._adopt_chunks()
+        self._pool: ThreadPoolExecutor | None = None  # writes a batch's chunks side by side
         self._unwritten: list[tuple[str, int, np.ndarray]] = []  # (array, first sample, chunk) to write
         self._start_buffers()
 
@@ -279,20 +281,46 @@ class ZarrWriter(ChunkedWriter):
         self._write_queued()
 
     def _write_queued(self) -> None:
-        """Write the chunks the batch completed (queued by :meth:`_emit`), through zarr's public array API."""
+        """Write the chunks the batch completed (queued by :meth:`_emit`), every array's at once.
+
+        Each is a public ``arr[lo:hi] = data`` (encode, then a durable file write with its
+        fsync); the chunks of one batch are written side by side on a small thread pool, so
+        their fsyncs overlap instead of queueing one behind the other.
+        """
         chunks, self._unwritten = self._unwritten, []
-        for name, start, data in chunks:
-            try:
-                self._arrays[name][start : start + len(data)] = data
-            except OSError as exc:
-                if exc.errno in FULL_DISK_ERRNOS:
-                    raise StoreFullError(
-                        None,
-                        str(self.path / name),
-                        free_bytes(self.path),
-                        f"chunk {start // self.chunk_samples_of(name)} of array {name!r}",
-                    ) from exc
-                raise
+        if len(chunks) <= 1:
+            errors = [self._write_chunk(*chunk) for chunk in chunks]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self.specs), thread_name_prefix="zarr-chunk-write")
+            errors = list(self._pool.map(lambda chunk: self._write_chunk(*chunk), chunks))
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _write_chunk(self, name: str, start: int, data: np.ndarray) -> BaseException | None:
+        """Write one chunk; the error to raise (a full disk as :class:`StoreFullError`), or None."""
+        try:
+            self._arrays[name][start : start + len(data)] = data
+        except OSError as exc:
+            if exc.errno in FULL_DISK_ERRNOS:
+                full = StoreFullError(
+                    None,
+                    str(self.path / name),
+                    free_bytes(self.path),
+                    f"chunk {start // self.chunk_samples_of(name)} of array {name!r}",
+                )
+                full.__cause__ = exc
+                return full
+            return exc
+        except Exception as exc:  # noqa: BLE001 - handed back to the writing thread, raised there
+            return exc
+        return None
+
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @classmethod
     def rewrite_chunks(
@@ -360,11 +388,15 @@ class ZarrWriter(ChunkedWriter):
         too, were written as their samples arrived)."""
         if self._closed:
             return
-        self._write_queued()  # nothing is queued after a completed write(); never drop a chunk if so
+        try:
+            self._write_queued()  # nothing is queued after a completed write(); never drop a chunk if so
+        finally:
+            self._stop_pool()
         self._closed = True
         self._check_complete()
         self._buffers.clear()
 
     def _abandon(self) -> None:
         self._closed = True  # the catalog's staging cleanup removes the files
+        self._stop_pool()
         self._buffers.clear()
