@@ -138,17 +138,18 @@ def _dir_bytes(path: Path) -> int:
 
 def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
     entries = catalog.entries()
-    usage = {
+    by_kind: dict[str, int] = {}
+    for e in entries:
+        by_kind[e.kind] = by_kind.get(e.kind, 0) + e.size_bytes
+    usage: dict[str, Any] = {
         "entries": len(entries),
         "entries_bytes": sum(e.size_bytes for e in entries),
         "pinned_bytes": sum(e.size_bytes for e in entries if e.pinned),
         "staging_bytes": _dir_bytes(catalog.staging_dir),
         "staging_builds": len(list(catalog.staging_dir.iterdir())) if catalog.staging_dir.is_dir() else 0,
         "max_bytes": catalog.max_bytes,
-        "by_kind": {},
+        "by_kind": by_kind,
     }
-    for e in entries:
-        usage["by_kind"][e.kind] = usage["by_kind"].get(e.kind, 0) + e.size_bytes
     if args.json:
         print(json.dumps(usage, indent=2))
         return EXIT_OK

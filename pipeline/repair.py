@@ -19,8 +19,8 @@ from stores.zarr_entry import ZarrReader, ZarrWriter
 
 from .context import RunContext
 from .errors import RecipeError
-from .executors.partitions import batch_period
 from .ops.batching import concat
+from .ops.cache_write import stream_batch_period
 from .progress import Progress
 from .recipe import load_recipe
 from .runner import Runner
@@ -69,7 +69,7 @@ def repair_entry(
     name = _stage_for(runner, fingerprint)
     (parent,) = runner.graph.edges[name].values()
     stream = runner.output(parent)
-    period = batch_period(recipe, parent)  # recompute chunks in the batches the build formed
+    period = stream_batch_period(recipe.stages, parent)  # recompute chunks in the batches the build formed
     entry = catalog.lookup(fingerprint)
     assert entry is not None
     rewritten: dict[str, list[int]] = {}
@@ -88,7 +88,9 @@ def repair_entry(
                 got += len(batch[leaf])
                 if got >= count:
                     break
-            batches.close()  # the rest of the split is not needed: stop the upstream's threads now
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # the rest of the split is not needed: stop the upstream's threads now
             data[index] = concat(taken)[leaf][:count].detach().cpu().numpy()
             ctx.progress.log(f"recomputed chunk {index} of {array} ({count} samples)")
         rewritten[array] = ZarrWriter.rewrite_chunks(root, array, data)

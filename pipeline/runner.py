@@ -54,6 +54,10 @@ class Runner:
     def __init__(self, recipe: Recipe, ctx: RunContext) -> None:
         self.recipe = recipe
         self.ctx = ctx
+        if ctx.executor is None:  # where cache entries are built when not here (stages only see ctx.executor)
+            from .executors import executor_for
+
+            ctx.executor = executor_for(recipe)
         self.graph = Graph(recipe)
         self.specs: dict[str, Spec] = {}
         self.fingerprints: dict[str, str] = {}

@@ -1,14 +1,15 @@
-"""Disk-backed, content-addressed cache storage: key/value stores, the entry catalog, zarr entries.
+"""Disk-backed, content-addressed cache storage: the entry catalog and the entry backends (zarr, HDF5).
 
 This package is the lower layer of the toolkit and never imports ``pipeline``.
 Importing it does not import zarr: the zarr entry names below load on first use, so
-the catalog and the errors work where only the recipe tools are installed.
+the catalog and the errors work where only the recipe tools are installed, and an HDF5
+entry is written and read without zarr (:mod:`stores.entry` chooses the backend).
 """
 
 from __future__ import annotations
 
-from stores.abc import Store, is_valid_key, validate_key
 from stores.catalog import (
+    Built,
     Catalog,
     Entry,
     EntryUse,
@@ -17,6 +18,16 @@ from stores.catalog import (
     hash_payload,
     human_size,
     validate_fingerprint,
+)
+from stores.durable import atomic_write_bytes, fsync_dir
+from stores.entry import (
+    EntryLayout,
+    EntryReader,
+    EntryWriter,
+    entry_format,
+    open_reader,
+    open_writer,
+    plan_chunk_samples,
 )
 from stores.errors import (
     BudgetError,
@@ -34,12 +45,13 @@ from stores.errors import (
     StoreFullError,
     StoreNotFoundError,
 )
-from stores.local import LocalStore, atomic_write_bytes, fsync_dir
+from stores.keys import is_valid_key, validate_key
+from stores.layout import ArraySpec
 from stores.lock import DirLock, FileLock, LockHolder
 from stores.verify import Problem, VerifyReport
 
 _ZARR_ENTRY_NAMES = frozenset(
-    {"ArraySpec", "ChunkProblem", "DurableLocalStore", "ZarrReader", "ZarrWriter", "suggest_chunk_samples"}
+    {"ChunkProblem", "DurableLocalStore", "ZarrReader", "ZarrWriter", "suggest_chunk_samples"}
 )
 
 
@@ -54,6 +66,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ArraySpec",
     "BudgetError",
+    "Built",
     "Catalog",
     "CatalogError",
     "ChunkProblem",
@@ -61,22 +74,23 @@ __all__ = [
     "DirLock",
     "DurableLocalStore",
     "Entry",
+    "EntryLayout",
+    "EntryReader",
     "EntryInUseError",
     "EntryReadError",
     "EntryUse",
     "EntryWriteError",
+    "EntryWriter",
     "FileLock",
     "GcReport",
     "InvalidKeyError",
     "KeyConflictError",
-    "LocalStore",
     "LockHolder",
     "LockTimeoutError",
     "Problem",
     "ReadOnlyError",
     "Staging",
     "StaleStagingWarning",
-    "Store",
     "StoreError",
     "StoreFullError",
     "StoreNotFoundError",
@@ -84,10 +98,14 @@ __all__ = [
     "ZarrReader",
     "ZarrWriter",
     "atomic_write_bytes",
+    "entry_format",
     "fsync_dir",
     "hash_payload",
     "human_size",
     "is_valid_key",
+    "open_reader",
+    "open_writer",
+    "plan_chunk_samples",
     "suggest_chunk_samples",
     "validate_fingerprint",
     "validate_key",

@@ -159,6 +159,38 @@ class ChunkedWriter:
             self._append(name, data)
         self._after_batch(group)
 
+    def write_at(self, group: str, start: int, batch: Mapping[str, np.ndarray]) -> None:
+        """Like :meth:`write`, for a batch whose first sample has absolute index ``start``.
+
+        Samples an array already has (e.g. kept by resume) are dropped; a gap raises
+        :class:`EntryWriteError`. Lets a caller replay its input from any earlier point.
+        """
+        group = group.strip("/")
+        if group not in self.num_samples:
+            self.write(group, batch)  # raises the usual unknown-group error
+        offsets: dict[str, int] = {}
+        for leaf, data in batch.items():
+            name = f"{group}/{leaf}" if group else leaf
+            have = self.received(name) if name in self.specs else start
+            if start > have:
+                raise EntryWriteError(
+                    f"array {name!r} in {self._where}: batch starts at sample {start} but only {have} "
+                    "samples were written; samples must be contiguous"
+                )
+            offsets[leaf] = min(have - start, len(data))
+        if len(set(offsets.values())) <= 1:
+            skip = next(iter(offsets.values()), 0)
+            rest = {leaf: data[skip:] for leaf, data in batch.items()}
+            if rest and len(next(iter(rest.values()))):
+                self.write(group, rest)
+            elif rest:  # still validate names, shapes and dtypes of an all-dropped batch
+                for leaf, data in batch.items():
+                    self._check_batch(f"{group}/{leaf}" if group else leaf, group, np.asarray(data)[:0])
+            return
+        for leaf, data in batch.items():
+            if len(data) > offsets[leaf]:
+                self.write(group, {leaf: data[offsets[leaf] :]})
+
     def _check_batch(self, name: str, group: str, data: np.ndarray) -> np.ndarray:
         where = self._where
         if name not in self.specs:

@@ -63,63 +63,53 @@ by ``close()``, and the catalog publishes only committed entries.
 ``path`` may be an HDF5 file path or a directory (e.g. a catalog staging directory); in a
 directory the file is ``path / "entry.h5"``.
 
-Readers open the file lazily, read-only and once per process (h5py handles do not survive
-``fork``) and pickle as path + layout, so they can be shipped to DataLoader/dask workers.
+Reading is :mod:`stores.h5_reader`, the progress log :mod:`stores.h5_progress`. None of
+these modules imports zarr.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
 import time
 import warnings
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import h5py
 import numpy as np
 
 from stores.chunking import ChunkedWriter
-from stores.errors import (
-    CorruptChunkError,
-    EntryReadError,
-    EntryWriteError,
-    StaleStagingWarning,
-    StoreFullError,
-    StoreNotFoundError,
+from stores.durable import FULL_DISK_ERRNOS, free_bytes, fsync_dir
+from stores.errors import EntryWriteError, StaleStagingWarning, StoreFullError, StoreNotFoundError
+from stores.h5_format import (
+    ATTR_COMPLETE,
+    ATTR_FORMAT,
+    ATTR_JSON,
+    COMPRESSORS,
+    ENTRY_FILENAME,
+    FORMAT,
+    Compressor,
+    entry_file,
 )
-from stores.layout import ArraySpec, ChunkedReader, split_name
-from stores.local import FULL_DISK_ERRNOS, free_bytes, fsync_dir
-from stores.throttle import ThrottledFile, as_device
+from stores.h5_progress import (
+    PROGRESS_FORMAT,
+    Row,
+    append_line,
+    layout_id,
+    partial_file,
+    progress_file,
+    read_progress,
+)
+from stores.h5_reader import H5Reader
+from stores.layout import ArraySpec, split_name
 
 __all__ = ["ENTRY_FILENAME", "H5Reader", "H5Writer", "entry_file", "progress_file", "read_progress"]
 
-Compressor = Literal["gzip", "lzf", "none"]
-_COMPRESSORS = ("gzip", "lzf", "none")
-ENTRY_FILENAME = "entry.h5"
-FORMAT = "ondevice-tl-h5-entry/1"
-_ATTR_FORMAT = "ondevice_tl_format"
-_ATTR_JSON = "ondevice_tl_attrs"
-_ATTR_COMPLETE = "ondevice_tl_complete"
-PROGRESS_FORMAT = "ondevice-tl-h5-progress/1"
 # fsync the file and its progress log at most this often while building (see "Resume").
 SYNC_EVERY_S = 2.0
-# h5py/HDF5 report a failed fletcher32 check or an undecodable gzip/lzf stream as OSError;
-# numpy/h5py conversion problems surface as ValueError/RuntimeError/TypeError.
-_DECODE_ERRORS = (OSError, ValueError, RuntimeError, TypeError)
-# Handles inherited through fork are parked, never closed in the child (see stores.h5_store).
-_INHERITED: list[Any] = []
-
-
-def entry_file(path: str | os.PathLike[str]) -> Path:
-    """The HDF5 file of an entry: ``path`` itself, or ``path/entry.h5`` if ``path`` is a directory."""
-    path = Path(path)
-    return path / ENTRY_FILENAME if path.is_dir() else path
 
 
 class H5Writer(ChunkedWriter):
@@ -158,8 +148,8 @@ class H5Writer(ChunkedWriter):
     ) -> None:
         self.path = Path(path)
         self.file = entry_file(self.path)
-        if compressor not in _COMPRESSORS:
-            raise EntryWriteError(f"compressor must be one of {list(_COMPRESSORS)}, got {compressor!r}")
+        if compressor not in COMPRESSORS:
+            raise EntryWriteError(f"compressor must be one of {list(COMPRESSORS)}, got {compressor!r}")
         if compressor == "gzip" and (not isinstance(level, int) or not 0 <= level <= 9):
             raise EntryWriteError(f"gzip level must be in [0, 9], got {level!r}")
         self._declare(self.file, arrays, num_samples, chunk_samples)
@@ -177,13 +167,13 @@ class H5Writer(ChunkedWriter):
             )
         self._members = {g: sorted(n for n in self.specs if split_name(n)[0] == g) for g in self.groups}
         self._settings = (compressor, level, checksum, attrs_json)
-        self.layout_id = _layout_id(self.specs, self.num_samples, chunk_samples, *self._settings)
+        self.layout_id = layout_id(self.specs, self.num_samples, chunk_samples, *self._settings)
         self.progress_file = progress_file(self.file)
         self.restart_reason: str | None = None
         self._log_fd: int | None = None
         self._last_sync = time.monotonic()
         self._rows = dict.fromkeys(self.groups, 0)  # rows (chunk indices) durable-logged per group
-        salvage: tuple[h5py.File, list[_Row]] | None = None
+        salvage: tuple[h5py.File, list[Row]] | None = None
         if resume:
             salvage = self._salvage()
         elif self.file.exists():
@@ -191,7 +181,7 @@ class H5Writer(ChunkedWriter):
                 f"{self.file} already exists; write an HDF5 entry into a fresh file "
                 "(or pass resume=True to continue an interrupted build)"
             )
-        target = _partial(self.file) if salvage is not None else self.file
+        target = partial_file(self.file) if salvage is not None else self.file
         self._h5 = self._create(target)
         try:
             self._open_log(progress_file(target))
@@ -221,9 +211,9 @@ class H5Writer(ChunkedWriter):
         except (OSError, ValueError) as exc:
             raise EntryWriteError(f"cannot create HDF5 entry {file}: {exc}") from exc
         try:
-            h5.attrs[_ATTR_FORMAT] = FORMAT
-            h5.attrs[_ATTR_JSON] = attrs_json
-            h5.attrs[_ATTR_COMPLETE] = False
+            h5.attrs[ATTR_FORMAT] = FORMAT
+            h5.attrs[ATTR_JSON] = attrs_json
+            h5.attrs[ATTR_COMPLETE] = False
             self._dsets: dict[str, h5py.Dataset] = {}
             for name, spec in sorted(self.specs.items()):
                 self._dsets[name] = self._dataset(h5, name, spec, compressor, level, checksum)
@@ -268,14 +258,14 @@ class H5Writer(ChunkedWriter):
         for leftover in (
             self.file,
             self.progress_file,
-            _partial(self.file),
-            progress_file(_partial(self.file)),
+            partial_file(self.file),
+            progress_file(partial_file(self.file)),
         ):
             leftover.unlink(missing_ok=True)
 
-    def _salvage(self) -> tuple[h5py.File, list[_Row]] | None:
+    def _salvage(self) -> tuple[h5py.File, list[Row]] | None:
         """The leftover file (open read-only) and its logged rows, or None (leftovers removed)."""
-        for partial in (_partial(self.file), progress_file(_partial(self.file))):
+        for partial in (partial_file(self.file), progress_file(partial_file(self.file))):
             partial.unlink(missing_ok=True)  # a resume killed while copying: its source is still intact
         if not self.file.exists():
             self._remove_leftovers()
@@ -297,7 +287,7 @@ class H5Writer(ChunkedWriter):
             return None
         return old, rows
 
-    def _replay(self, old: h5py.File, rows: list[_Row]) -> None:
+    def _replay(self, old: h5py.File, rows: list[Row]) -> None:
         """Copy the logged rows whose stored bytes still match their crc32, in log order, into the new file.
 
         The copy is of stored (compressed) chunk bytes, so no sample is decoded or
@@ -334,7 +324,7 @@ class H5Writer(ChunkedWriter):
 
     def _open_log(self, path: Path) -> None:
         self._log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
-        _append_line(self._log_fd, {"format": PROGRESS_FORMAT, "layout": self.layout_id})
+        append_line(self._log_fd, {"format": PROGRESS_FORMAT, "layout": self.layout_id})
         os.fsync(self._log_fd)
 
     def _close_log(self) -> None:
@@ -367,7 +357,7 @@ class H5Writer(ChunkedWriter):
         # Flush before logging: a logged row is in the file's chunk index on disk.
         self._h5.flush()
         assert self._log_fd is not None
-        _append_line(self._log_fd, {"g": group, "i": index, "crc": crcs})
+        append_line(self._log_fd, {"g": group, "i": index, "crc": crcs})
         self._rows[group] = index + 1
         if time.monotonic() - self._last_sync >= SYNC_EVERY_S:
             # Durable against power loss every few seconds; the log is fsynced after the file,
@@ -415,7 +405,7 @@ class H5Writer(ChunkedWriter):
             self._check_complete()
             for group in self.groups:
                 self._drain(group)
-            self._h5.attrs[_ATTR_COMPLETE] = True
+            self._h5.attrs[ATTR_COMPLETE] = True
         finally:
             self._buffers.clear()
             self._pending.clear()
@@ -434,272 +424,3 @@ class H5Writer(ChunkedWriter):
 
     def _abandon(self) -> None:
         self.abort()  # the catalog's staging cleanup removes the file, or a resume continues
-
-
-# ------------------------------------------------------------------------------------ progress log
-
-
-@dataclass(frozen=True)
-class _Row:
-    group: str
-    index: int
-    crcs: dict[str, int]
-
-
-def progress_file(file: Path) -> Path:
-    """The progress log beside an HDF5 entry file (``entry.h5`` -> ``entry.h5.progress``)."""
-    return file.with_name(file.name + ".progress")
-
-
-def _partial(file: Path) -> Path:
-    return file.with_name(file.name + ".partial")
-
-
-def _layout_id(
-    specs: Mapping[str, ArraySpec],
-    counts: Mapping[str, int],
-    chunk_samples: int,
-    compressor: str,
-    level: int,
-    checksum: bool,
-    attrs_json: str,
-) -> str:
-    """A digest of everything that decides the file's bytes, library versions included."""
-    doc = {
-        "format": FORMAT,
-        "arrays": {n: [list(s.sample_shape), s.dtype] for n, s in sorted(specs.items())},
-        "counts": dict(sorted(counts.items())),
-        "chunk_samples": chunk_samples,
-        "codec": [compressor, level, checksum],
-        "attrs": attrs_json,
-        "h5py": h5py.version.version,
-        "hdf5": h5py.version.hdf5_version,
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def _append_line(fd: int, record: dict[str, Any]) -> None:
-    """Append one self-checking line: ``json<TAB>crc32(json)``; a torn last line fails its check."""
-    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    line = f"{text}\t{zlib.crc32(text.encode()):08x}\n".encode()
-    view = memoryview(line)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def read_progress(path: Path) -> tuple[str | None, list[_Row]]:
-    """(layout id, logged rows) of a progress log; (None, []) if it is missing or its header is bad.
-
-    Reading stops at the first line that is torn or fails its crc32 (what a kill mid-append leaves).
-    """
-    try:
-        lines = path.read_bytes().split(b"\n")
-    except OSError:
-        return None, []
-    records: list[dict[str, Any]] = []
-    for line in lines:
-        text, _, crc = line.decode("utf-8", "replace").rpartition("\t")
-        if not text or crc != f"{zlib.crc32(text.encode()):08x}":
-            break
-        try:
-            records.append(json.loads(text))
-        except ValueError:
-            break
-    if not records or records[0].get("format") != PROGRESS_FORMAT:
-        return None, []
-    rows = []
-    for rec in records[1:]:
-        try:
-            rows.append(_Row(str(rec["g"]), int(rec["i"]), {str(k): int(v) for k, v in rec["crc"].items()}))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            break
-    return str(records[0].get("layout")), rows
-
-
-class H5Reader(ChunkedReader):
-    """Read a sample-chunked HDF5 entry; turns checksum/decode failures into CorruptChunkError.
-
-    ``throttle``: a slow-storage profile (``sdcard``, ``emmc``, ``ssd``, a
-    :class:`~stores.throttle.ThrottleProfile` or a shared device) to read the file through
-    :class:`~stores.throttle.ThrottledFile`, for benchmarks and tests; ``device`` then
-    holds the simulated device's statistics.
-    """
-
-    KIND = "HDF5"
-    # h5py reads and decodes a chunk in one call: fetch_chunk does all the work and
-    # decode_chunk is the identity, so a prefetcher runs them as one stage.
-    SEPARATE_DECODE = False
-
-    def __init__(self, path: str | os.PathLike[str], *, throttle: Any = None) -> None:
-        self.path = Path(path)
-        self.file = entry_file(self.path)
-        self.device = None if throttle is None else as_device(throttle)
-        self._fileobj: ThrottledFile | None = None
-        self._handle: h5py.File | None = None
-        self._pid: int | None = None
-        self._locks: dict[int, threading.Lock] = {}
-        self._dsets: dict[str, h5py.Dataset] = {}
-        if not self.file.is_file():
-            raise StoreNotFoundError(f"HDF5 entry file {self.file} does not exist")
-        with self._lock():
-            f = self._file()
-            self._attrs, shapes = self._read_layout(f)
-        self._specs: dict[str, ArraySpec] = {}
-        self._start_layout(self.file)
-        for name, (shape, chunks, dtype) in sorted(shapes.items()):
-            self._add_array(name, shape, chunks)
-            self._specs[name] = ArraySpec(tuple(shape[1:]), dtype)
-
-    # ----------------------------------------------------------------- process/handle management
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.update(_handle=None, _pid=None, _locks={}, _dsets={}, _fileobj=None)
-        return state
-
-    def _lock(self) -> threading.Lock:
-        pid = os.getpid()
-        lock = self._locks.get(pid)
-        if lock is None:
-            lock = self._locks.setdefault(pid, threading.Lock())
-        return lock
-
-    def _file(self) -> h5py.File:
-        """This process's read-only handle, opened on first use; call with the lock held."""
-        pid = os.getpid()
-        if self._pid == pid and self._handle is not None:
-            return self._handle
-        if self._handle is not None:  # inherited through fork: park it, never use or close it here
-            _INHERITED.append(self._handle)
-        self._handle, self._dsets = None, {}
-        try:
-            # No chunk cache: every read_chunk decodes a chunk once; caching would only hold
-            # copies of data the pipeline already has (RAM is scarce on the devices this targets).
-            if self.device is None:
-                self._handle = h5py.File(self.file, "r", rdcc_nbytes=0)
-            else:
-                self._fileobj = ThrottledFile(self.file, self.device)
-                self._handle = h5py.File(self._fileobj, "r", rdcc_nbytes=0)
-        except (OSError, ValueError) as exc:
-            raise EntryReadError(
-                f"{self.file} cannot be opened as an HDF5 file: {exc}. Expected a complete HDF5 entry "
-                "not held open for writing by another process."
-            ) from exc
-        self._pid = pid
-        return self._handle
-
-    def _dataset(self, name: str) -> h5py.Dataset:
-        with self._lock():
-            f = self._file()
-            dset = self._dsets.get(name)
-            if dset is None:
-                dset = self._dsets[name] = f[name]
-            return dset
-
-    def close(self) -> None:
-        """Close this process's handle; the reader reopens on next use."""
-        with self._lock():
-            if self._handle is not None and self._pid == os.getpid():
-                self._handle.close()
-                if self._fileobj is not None:
-                    self._fileobj.close()
-            self._handle, self._pid, self._dsets, self._fileobj = None, None, {}, None
-
-    def __enter__(self) -> H5Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # --------------------------------------------------------------------------------- layout
-
-    def _read_layout(
-        self, f: h5py.File
-    ) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]]]:
-        fmt = f.attrs.get(_ATTR_FORMAT)
-        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-        if fmt != FORMAT:
-            raise EntryReadError(
-                f"{self.file} is not an ondevice-tl HDF5 entry: root attribute {_ATTR_FORMAT!r} is "
-                f"{fmt!r}, expected {FORMAT!r}"
-            )
-        if not bool(f.attrs.get(_ATTR_COMPLETE, False)):
-            raise EntryReadError(
-                f"HDF5 entry {self.file} was never completed (its writer crashed, was abandoned, or "
-                "close() failed); remove it and rebuild the entry"
-            )
-        try:
-            attrs = json.loads(f.attrs[_ATTR_JSON])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EntryReadError(
-                f"HDF5 entry {self.file}: attribute {_ATTR_JSON!r} is not JSON: {exc}"
-            ) from None
-        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]] = {}
-
-        def visit(name: str, node: Any) -> None:
-            if isinstance(node, h5py.Dataset):
-                shapes[name] = (tuple(node.shape), node.chunks, str(node.dtype))
-
-        f.visititems(visit)
-        return attrs, shapes
-
-    @property
-    def arrays(self) -> dict[str, ArraySpec]:
-        """Full array name -> per-sample spec."""
-        return dict(self._specs)
-
-    @property
-    def _names(self) -> dict[str, ArraySpec]:
-        return self._specs
-
-    @property
-    def attrs(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._attrs))  # a deep copy: callers may mutate it
-
-    # ---------------------------------------------------------------------------------- reads
-
-    def read_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
-        """All arrays of ``group`` for the samples of chunk ``index`` (leaf name -> array)."""
-        group = self._group(group)
-        total = self.num_chunks(group)
-        if not isinstance(index, int | np.integer) or not 0 <= index < total:
-            raise EntryReadError(
-                f"chunk index {index!r} out of range for group {group!r} ({total} chunks) in {self.file}"
-            )
-        c = self._chunk[group]
-        lo, hi = int(index) * c, min((int(index) + 1) * c, self._count[group])
-        return {
-            split_name(name)[1]: self._read_in_chunk(name, int(index), lo, hi)
-            for name in sorted(self._specs)
-            if split_name(name)[0] == group
-        }
-
-    def fetch_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
-        """Same as :meth:`read_chunk` (HDF5 reads and decodes in one call); see ``SEPARATE_DECODE``."""
-        return self.read_chunk(group, index)
-
-    def decode_chunk(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The identity: :meth:`fetch_chunk` already decoded the chunk."""
-        return raw
-
-    def _read_in_chunk(self, name: str, index: int, lo: int, hi: int) -> np.ndarray:
-        dset = self._dataset(name)
-        coord = (index * self._chunk[split_name(name)[0]],) + (0,) * (dset.ndim - 1)
-        try:
-            if dset.id.get_chunk_info_by_coord(coord).byte_offset is None:
-                raise CorruptChunkError(
-                    str(self.file),
-                    name,
-                    index,
-                    "the chunk is missing (never written; HDF5 would return zeros)",
-                )
-            return dset[lo:hi]
-        except CorruptChunkError:
-            raise
-        except _DECODE_ERRORS as exc:
-            raise CorruptChunkError(
-                str(self.file),
-                name,
-                index,
-                f"fletcher32 checksum mismatch or undecodable data ({type(exc).__name__}: {exc})",
-            ) from exc

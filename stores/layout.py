@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stores.abc import validate_key
 from stores.errors import EntryReadError, EntryWriteError, InvalidKeyError
+from stores.keys import validate_key
 
 # Array name components an entry directory uses for itself.
 _RESERVED = {"zarr.json", "manifest.json"}

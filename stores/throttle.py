@@ -1,7 +1,7 @@
 """Simulate slow storage (SD card, eMMC, SSD) so cache/prefetch behaviour can be tested on a fast laptop.
 
-A developer's NVMe disk with a warm page cache is 100x faster than the SD card a Raspberry Pi
-reads its cache from, so a pipeline that "keeps up" on the laptop can starve its trainer on the
+A developer's NVMe disk with a warm page cache is orders of magnitude faster than the SD card a
+Raspberry Pi reads its cache from, so a pipeline that "keeps up" on the laptop can starve its trainer on the
 device. The throttle makes storage cost what it would on the target:
 
     time of one command = latency + bytes / bandwidth
@@ -19,13 +19,12 @@ and sleeps until that booking ends. So
 - a consumer's compute between commands counts as device idle time, exactly as on real
   hardware; overlap happens only where the pipeline really overlaps (prefetch threads).
 
-The sleep is precise: ``time.sleep`` until ~0.5 ms before the deadline, then yield the GIL in a
-short ``sleep(0)`` loop, so a sleep ends tens of microseconds after its deadline (median ~40 us
-measured in a 2-core container) instead of the 50-100+ us plain ``time.sleep`` overshoot, and
-never before it. Residual overshoot is counted as device idle time, so the simulation can only
-err on the slow side; over 100 reads of 64 KiB on ``sdcard`` wall time was within 3% of booked
-device time. :class:`ThrottleStats` (``device.stats()``) reports commands, bytes, and
-booked device time so a benchmark can report achieved bandwidth.
+The sleep is precise: ``time.sleep`` until shortly before the deadline, then yield the GIL in a
+short ``sleep(0)`` loop, so a sleep ends just after its deadline instead of after plain
+``time.sleep``'s timer-slack overshoot, and never before it. Residual overshoot is counted as
+device idle time, so the simulation can only err on the slow side. :class:`ThrottleStats`
+(``device.stats()``) reports commands, bytes, and booked device time so a benchmark can report
+achieved bandwidth.
 
 Profiles (decimal MB = 1e6 bytes, as storage vendors quote them)
 ----------------------------------------------------------------
@@ -46,15 +45,17 @@ Profiles (decimal MB = 1e6 bytes, as storage vendors quote them)
 Custom devices: ``ThrottleProfile(read_bytes_per_s, write_bytes_per_s, read_latency_s,
 write_latency_s)``.
 
-HDF5 entries read through :class:`ThrottledFile`, a read-only binary file object that
-``h5py.File(ThrottledFile(path, "sdcard"), "r")`` accepts: each ``read``/``readinto`` HDF5
-issues (superblock, object headers, B-tree nodes, one whole chunk) is one read command.
+Zarr entries are throttled by their reader (``ZarrReader(path, throttle=...)`` books every
+chunk and metadata file it reads); HDF5 entries read through :class:`ThrottledFile`, a
+read-only binary file object that ``h5py.File(ThrottledFile(path, "sdcard"), "r")`` accepts:
+each ``read``/``readinto`` HDF5 issues (superblock, object headers, B-tree nodes, one whole
+chunk) is one read command.
 
-What is and is not modelled: data transfers (``get``/``set`` values, zarr chunk and metadata
-reads/writes, partial reads) are throttled. Metadata-only operations (``exists``, listing,
-``delete``) are not: the kernel caches directory entries, so on a real card they rarely wait on
-the device. Throttling is per process: a device pickled into another process (spawn, dask
-workers) starts a fresh, independent clock there, so multi-process readers are optimistic.
+What is and is not modelled: data transfers (chunk and metadata file reads, HDF5 reads) are
+throttled. Metadata-only operations (``exists``, listing, ``stat``) are not: the kernel caches
+directory entries, so on a real card they rarely wait on the device. Throttling is per process:
+a device pickled into another process (spawn, dask workers) starts a fresh, independent clock
+there, so multi-process readers are optimistic.
 Read-ahead, caching and flash garbage collection are not simulated.
 
 Running on a REAL SD card instead
@@ -76,23 +77,17 @@ The simulator is for quick, reproducible comparisons; confirm conclusions on har
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import io
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr.abc.store import ByteRequest
-from zarr.core.buffer import Buffer, BufferPrototype
-from zarr.storage import LocalStore as ZarrLocalStore
-
-from stores.abc import Store
 from stores.errors import StoreError
 
 __all__ = [
@@ -102,15 +97,13 @@ __all__ = [
     "ThrottleProfile",
     "ThrottleStats",
     "ThrottledFile",
-    "ThrottledStore",
-    "ThrottledZarrStore",
     "get_profile",
     "sleep_until",
 ]
 
 _MB = 1_000_000
 # Sleep until this long before a deadline, then yield in a sleep(0) loop: time.sleep overshoots by
-# ~50-100 us on Linux (timer slack), which would add up over thousands of short commands.
+# the kernel's timer slack, which would add up over thousands of short commands.
 _SPIN_S = 0.0005
 
 
@@ -185,15 +178,6 @@ def sleep_until(deadline: float) -> None:
         time.sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
 
 
-async def async_sleep_until(deadline: float) -> None:
-    """:func:`sleep_until` for coroutines: never blocks the event loop (zarr runs many gets on it)."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
-        await asyncio.sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
-
-
 @dataclass(frozen=True)
 class ThrottleStats:
     """A snapshot of one device's accounting since creation or the last ``reset_stats()``.
@@ -236,8 +220,8 @@ class ThrottleStats:
 class ThrottleDevice:
     """One simulated serial device: a lock-protected timeline every command is booked on.
 
-    Share one instance between wrappers (``ThrottledStore(s, device)``,
-    ``ThrottledZarrStore(root, device)``) that model the same physical card.
+    Share one instance between readers (``ZarrReader(path, throttle=device)``,
+    ``ThrottledFile(path, device)``) that model the same physical card.
     """
 
     def __init__(self, profile: ThrottleProfile | str = "sdcard") -> None:
@@ -305,16 +289,12 @@ class ThrottleDevice:
         sleep_until(self.book("write", nbytes, t0))
         self._waited(t0)
 
-    async def aread(self, sizes: Iterable[int], requested_at: float) -> None:
-        """Account one read command per size (queued back to back) and await the last one's completion."""
-        end = max((self.book("read", n, requested_at) for n in sizes), default=requested_at)
-        await async_sleep_until(end)
-        self._waited(requested_at)
-
-    async def awrite(self, nbytes: int, requested_at: float) -> None:
-        """Account a write and await its completion without blocking the event loop."""
-        await async_sleep_until(self.book("write", nbytes, requested_at))
-        self._waited(requested_at)
+    def read_many(self, sizes: Iterable[int], requested_at: float | None = None) -> None:
+        """Account one read command per size, queued back to back (a chunk's files, a file's
+        metadata documents), and block until the device has served the last one."""
+        t0 = time.monotonic() if requested_at is None else requested_at
+        sleep_until(max((self.book("read", n, t0) for n in sizes), default=t0))
+        self._waited(t0)
 
     @property
     def busy_until(self) -> float:
@@ -340,166 +320,6 @@ class ThrottleDevice:
 def as_device(profile: ThrottleProfile | str | ThrottleDevice) -> ThrottleDevice:
     """A device to book commands on: the given one (shared clock) or a new one for a profile."""
     return profile if isinstance(profile, ThrottleDevice) else ThrottleDevice(profile)
-
-
-class ThrottledStore(Store):
-    """Wrap any :class:`stores.abc.Store` so its value transfers cost what they would on a slow device.
-
-    ``get`` of a present key is one read command of ``len(value)`` bytes; ``set`` one write command.
-    Absent-key gets, ``exists``, ``list_prefix`` and ``delete`` pass straight through (see the
-    module docstring). Validation and the store contract are the wrapped store's.
-    """
-
-    def __init__(self, store: Store, profile: ThrottleProfile | str | ThrottleDevice = "sdcard") -> None:
-        if not isinstance(store, Store):
-            raise TypeError(f"ThrottledStore wraps a stores.abc.Store, got {type(store).__name__}")
-        self.store = store
-        self.device = as_device(profile)
-
-    def __repr__(self) -> str:
-        return f"ThrottledStore({self.store!r}, {self.device.profile.name!r})"
-
-    @property
-    def profile(self) -> ThrottleProfile:
-        return self.device.profile
-
-    def stats(self) -> ThrottleStats:
-        return self.device.stats()
-
-    @property
-    def read_only(self) -> bool:
-        return self.store.read_only
-
-    @property
-    def supports_writes(self) -> bool:
-        return self.store.supports_writes
-
-    @property
-    def supports_deletes(self) -> bool:
-        return self.store.supports_deletes
-
-    @property
-    def supports_listing(self) -> bool:
-        return self.store.supports_listing
-
-    def get(self, key: str) -> bytes | None:
-        t0 = time.monotonic()
-        value = self.store.get(key)
-        if value is not None:
-            self.device.read(len(value), t0)
-        return value
-
-    def set(self, key: str, value: bytes) -> None:
-        t0 = time.monotonic()
-        self.store.set(key, value)
-        self.device.write(memoryview(value).nbytes, t0)
-
-    def exists(self, key: str) -> bool:
-        return self.store.exists(key)
-
-    def delete(self, key: str) -> None:
-        self.store.delete(key)
-
-    def list_prefix(self, prefix: str) -> Iterator[str]:
-        return self.store.list_prefix(prefix)
-
-
-class ThrottledZarrStore(ZarrLocalStore):
-    """A zarr v3 ``LocalStore`` whose reads and writes go through a :class:`ThrottleDevice`.
-
-    ``zarr.open_group(store=ThrottledZarrStore(path, "sdcard", read_only=True), mode="r")`` reads
-    an existing entry as if it lived on an SD card. Whole and partial gets (sharded reads) and
-    sets are throttled, in both the async API zarr uses and the ``*_sync`` helpers.
-    ``with_read_only`` (which zarr calls for mode="r") keeps the same device, so clock and stats
-    are shared.
-    """
-
-    def __init__(
-        self,
-        root: Path | str,
-        profile: ThrottleProfile | str | ThrottleDevice = "sdcard",
-        *,
-        read_only: bool = False,
-    ) -> None:
-        super().__init__(root, read_only=read_only)
-        self.device = as_device(profile)
-
-    def __repr__(self) -> str:
-        return f"ThrottledZarrStore('{self}', {self.device.profile.name!r})"
-
-    @classmethod
-    async def open(  # type: ignore[override]
-        cls,
-        root: Path | str,
-        profile: ThrottleProfile | str | ThrottleDevice = "sdcard",
-        *,
-        read_only: bool = False,
-        mode: Any = None,
-    ) -> ThrottledZarrStore:
-        device = as_device(profile)
-        store = cls(root, device, read_only=read_only if mode is None else mode in ("r", "r+"))
-        await store._open()
-        store = store.with_read_only(read_only)
-        await store._open()
-        return store
-
-    def with_read_only(self, read_only: bool = False) -> ThrottledZarrStore:
-        return type(self)(self.root, self.device, read_only=read_only)
-
-    def stats(self) -> ThrottleStats:
-        return self.device.stats()
-
-    async def get(
-        self,
-        key: str,
-        prototype: BufferPrototype | None = None,
-        byte_range: ByteRequest | None = None,
-    ) -> Buffer | None:
-        t0 = time.monotonic()
-        buf = await super().get(key, prototype, byte_range)
-        if buf is not None:
-            await self.device.aread([len(buf)], t0)
-        return buf
-
-    async def get_partial_values(
-        self,
-        prototype: BufferPrototype,
-        key_ranges: Iterable[tuple[str, ByteRequest | None]],
-    ) -> list[Buffer | None]:
-        t0 = time.monotonic()
-        bufs = await super().get_partial_values(prototype, key_ranges)
-        # One command per range: a shard index read plus its chunk reads are separate card commands.
-        await self.device.aread([len(b) for b in bufs if b is not None], t0)
-        return bufs
-
-    async def set(self, key: str, value: Buffer) -> None:
-        t0 = time.monotonic()
-        await super().set(key, value)
-        await self.device.awrite(len(value), t0)
-
-    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        t0 = time.monotonic()
-        await super().set_if_not_exists(key, value)
-        # Charged as a full write even when the key existed: zarr only uses it for small metadata.
-        await self.device.awrite(len(value), t0)
-
-    def get_sync(
-        self,
-        key: str,
-        *,
-        prototype: BufferPrototype | None = None,
-        byte_range: ByteRequest | None = None,
-    ) -> Buffer | None:
-        t0 = time.monotonic()
-        buf = super().get_sync(key, prototype=prototype, byte_range=byte_range)
-        if buf is not None:
-            self.device.read(len(buf), t0)
-        return buf
-
-    def set_sync(self, key: str, value: Buffer) -> None:
-        t0 = time.monotonic()
-        super().set_sync(key, value)
-        self.device.write(len(value), t0)
 
 
 class ThrottledFile(io.RawIOBase):

@@ -193,7 +193,7 @@ def _read_all(path: Path, store: Path) -> dict:
     stream = runner.output("read")
     got = {split: torch.cat([b["x"] for b in stream.open(split)]) for split in ("train", "val")}
     reader = runner.output("cache").reader
-    device = getattr(getattr(reader, "_zarr_store", None), "device", None)
+    device = reader.device
     got["bytes_through_simulator"] = device.stats().bytes_read if device is not None else 0
     runner.release()
     return got
@@ -232,7 +232,8 @@ def test_a_split_kept_in_memory_is_read_from_storage_once_and_keeping_is_a_readi
         path = _with_cache(built["recipe"], tmp_path, f"keep{keep}", **knobs)
         runner = Runner(load_recipe(path), RunContext(catalog=Catalog(store)))
         stream, cache = runner.output("read"), runner.output("cache")
-        device = cache.reader._zarr_store.device
+        device = cache.reader.device
+        assert device is not None
         got = []
         for epoch in range(3):
             device.reset_stats()

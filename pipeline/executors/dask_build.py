@@ -4,8 +4,8 @@ The client (the process running the recipe) does the bookkeeping and none of the
 heavy work:
 
 1. it lays down the zarr metadata in the staging directory the catalog gave it, byte
-   for byte what a local build writes (``layout``), keeping an interrupted build's
-   hierarchy when the layout matches;
+   for byte what a local build writes (:func:`stores.zarr_part.prepare_hierarchy`),
+   keeping an interrupted build's hierarchy when the layout matches;
 2. it cuts every split into partitions of whole chunks and submits one task per
    partition (``worker.build_partition``); each worker re-creates the upstream stream
    from the recipe and the store, computes decode -> frozen forward -> quantize for its
@@ -34,17 +34,16 @@ from typing import TYPE_CHECKING, Any
 import dask
 from distributed import Client, KilledWorker, LocalCluster, as_completed
 
+from stores.entry import ZARR_DIR, EntryLayout
 from stores.errors import StoreError
-from stores.zarr_entry import ZarrReader
+from stores.zarr_part import missing_chunk_files, prepare_hierarchy, sweep_temp_files
 
 from ..errors import PipelineError
 from ..fingerprint import canonical_json
 from ..heap import ENV as HEAP_ENV
 from ..heap import keep_freed_heap_requested
-from ..ops.cache import ZARR_DIR, spec_to_json
-from ..spec import Spec
+from ..spec import Spec, spec_to_json
 from .errors import ExecutorError
-from .layout import Layout, prepare_hierarchy, sweep_temp_files
 from .partitions import (
     Partition,
     align_partition_chunks,
@@ -79,7 +78,7 @@ def start_local_cluster(workers: int, threads_per_worker: int, *, allowed_failur
     """
     # Dask's nannies give workers MALLOC_TRIM_THRESHOLD_=65536 (to hand freed memory back fast).
     # Setting it also freezes glibc's mmap threshold, so torch's large activation buffers are
-    # mapped and faulted in afresh on every batch: measured here, the frozen forward ran at half speed.
+    # mapped and faulted in afresh on every batch, which slows the frozen forward down markedly.
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.pop(MALLOC_TRIM, None)
     settings = {
@@ -165,19 +164,6 @@ def _failure(exc: BaseException, part: Partition, retries: int) -> BaseException
     )
 
 
-def missing_chunk_files(zarr_dir: Path, layout: Layout) -> list[str]:
-    """Chunk files that should exist after every partition succeeded (an existence check, no decode)."""
-    reader = ZarrReader(zarr_dir)
-    missing = []
-    for array in sorted(layout.arrays):
-        split = array.split("/", 1)[0]
-        for index in range(-(-layout.counts[split] // layout.chunk_samples[split])):
-            key = reader.chunk_key(array, index)
-            if not (zarr_dir / key).is_file():
-                missing.append(key)
-    return missing
-
-
 def build_on_dask(
     ctx: Any,
     *,
@@ -185,7 +171,7 @@ def build_on_dask(
     input_name: str,
     spec: Spec,
     staging: Path,
-    layout: Layout,
+    layout: EntryLayout,
 ) -> dict[str, Any]:
     """Build stage ``name``'s cache entry into ``staging`` on the recipe's Dask cluster.
 

@@ -4,10 +4,10 @@ Chunk alignment is what lets many processes write one zarr entry with no coordin
 every chunk file belongs to exactly one partition and is written whole, once, by it.
 
 Batch alignment is what keeps the bytes equal to a local build's. torch's CPU
-convolutions may round differently for a different batch composition (measured here:
-MobileNetV2 at 224 px gives other float32 bits for a sample in a batch of 13 than in a
-batch of 16), so a worker must form exactly the batches a local build forms: it opens
-the stream at the batch boundary before its partition and drops the lead-in samples.
+convolutions may round differently for a different batch composition (a sample can get
+other float32 bits in a batch of another size), so a worker must form exactly the batches
+a local build forms: it opens the stream at the batch boundary before its partition and
+drops the lead-in samples.
 Partitions that start on a batch boundary need no lead-in, so automatic partitioning
 prefers them.
 """
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..spec import STREAM
+from ..ops.cache_write import stream_batch_period
 
 if TYPE_CHECKING:
     from ..recipe import Recipe
@@ -100,21 +100,9 @@ def plan_partitions(
 
 
 def batch_period(recipe: Recipe, input_name: str) -> int:
-    """Samples after which the stream feeding the cache is back on a batch boundary.
-
-    The least common multiple of the ``batch_size`` of every stream stage up to
-    ``input_name`` (decode's, a frozen forward's re-batching, a rechunk): a stream opened
-    at a multiple of it forms the same batches as one opened at 0.
-    """
-    from ..graph import Graph
-
-    period = 1
-    for name in Graph(recipe).ancestors([input_name]):
-        stage = recipe.stages[name]
-        size = getattr(stage, "batch_size", None)
-        if stage.kind == STREAM and isinstance(size, int) and size > 0:
-            period = math.lcm(period, size)
-    return period
+    """Samples after which the stream feeding the cache is back on a batch boundary
+    (see :func:`pipeline.ops.cache_write.stream_batch_period`)."""
+    return stream_batch_period(recipe.stages, input_name)
 
 
 def align_partition_chunks(partition_chunks: int, chunk_samples: int, period: int) -> int:

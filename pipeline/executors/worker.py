@@ -5,8 +5,8 @@ so the upstream entries the client made sure of (the pretrained backbone, say) a
 read from the store, never rebuilt, and it keeps that graph per process, so the frozen
 model is loaded once per worker, not once per partition. It then pulls only its
 partition's samples (``stream.open(split, start=...)``) and writes whole chunks straight
-into the staging hierarchy through ``DurableLocalStore`` (temp file, fsync, rename): a
-worker killed mid-write leaves each chunk absent or complete, never torn. Features
+into the staging hierarchy through :class:`stores.zarr_part.ZarrPartWriter` (temp file,
+fsync, rename): a worker killed mid-write leaves each chunk absent or complete, never torn. Features
 never travel through the scheduler; the task returns a few numbers.
 
 Resume is per partition: the chunks of the partition that are already present and
@@ -15,7 +15,6 @@ decode (crc32c checked) are kept, and the stream is opened at the first one that
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import socket
@@ -25,18 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import zarr
-
-from stores.errors import CorruptChunkError, StoreNotFoundError
-from stores.local import FULL_DISK_ERRNOS, free_bytes
-from stores.zarr_entry import DurableLocalStore, ZarrReader
+from stores.errors import StoreNotFoundError
+from stores.zarr_format import META
+from stores.zarr_part import ZarrPartWriter, kept_chunks
 
 from ..fingerprint import canonical_json, is_cacheable
 from ..heap import heap_kept, keep_freed_heap
+from ..spec import spec_to_json
 from ..stream import Stream, samples_from
 from .errors import ExecutorError, WorkerStoreError
-from .layout import META
 from .partitions import Partition
 
 
@@ -131,8 +127,6 @@ def _open_upstream(job: BuildJob) -> _Upstream:
                 "path. Every worker must see the client's store at the same path (a shared filesystem)"
             )
     stream = runner.output(job.input)
-    from ..ops.cache import spec_to_json
-
     found = canonical_json(spec_to_json(stream.spec))
     if found != job.spec:
         raise ExecutorError(
@@ -154,82 +148,6 @@ def upstream(job: BuildJob) -> tuple[Stream, float]:
         return _slot[0].stream, time.perf_counter() - start
 
 
-def kept_chunks(reader: ZarrReader, part: Partition) -> int:
-    """Leading chunks of ``part`` already present and decodable in every array of its split."""
-    good = part.first_chunk
-    while good < part.stop_chunk:
-        try:
-            reader.read_chunk(part.split, good)
-        except CorruptChunkError:
-            break
-        good += 1
-    return good - part.first_chunk
-
-
-class ChunkWriter:
-    """Assembles a partition's batches into whole chunks and writes each exactly once.
-
-    Whole chunks only: zarr then never reads a chunk back to merge a partial write, and a
-    chunk file is the unit that appears atomically. Holds at most one chunk plus one batch.
-    """
-
-    def __init__(self, arrays: dict[str, Any], position: int, stop: int, chunk_samples: int, where: str):
-        self.arrays = arrays  # field -> zarr.Array of this split
-        self.position = position  # next sample to write; chunk-aligned
-        self.stop = stop
-        self.chunk = chunk_samples
-        self.where = where
-        self.pending: dict[str, np.ndarray] | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.position >= self.stop
-
-    def add(self, batch: dict[str, np.ndarray]) -> None:
-        held = 0 if self.pending is None else len(next(iter(self.pending.values())))
-        room = self.stop - self.position - held
-        batch = {k: v[:room] for k, v in batch.items()}
-        if self.pending is not None:
-            batch = {k: np.concatenate([self.pending[k], batch[k]]) for k in self.arrays}
-        count = len(next(iter(batch.values())))
-        offset = 0
-        while count - offset >= self.chunk or (
-            offset < count and self.position + count - offset == self.stop
-        ):
-            take = min(self.chunk, count - offset)
-            self._write({k: batch[k][offset : offset + take] for k in self.arrays})
-            offset += take
-        self.pending = {k: batch[k][offset:] for k in self.arrays} if offset < count else None
-
-    def _write(self, chunk: dict[str, np.ndarray]) -> None:
-        lo = self.position
-        for name, arr in self.arrays.items():
-            try:
-                arr[lo : lo + len(chunk[name])] = np.asarray(chunk[name], dtype=arr.dtype)
-            except OSError as exc:
-                if exc.errno not in FULL_DISK_ERRNOS:
-                    raise
-                # A plain OSError(ENOSPC): it pickles back to the client intact, and the client's
-                # staging cleanup treats it as the full disk it is.
-                raise OSError(
-                    errno.ENOSPC,
-                    f"the disk is full writing chunk {lo // self.chunk} of {name!r} in {self.where} "
-                    f"({free_bytes(self.where)} bytes free)",
-                    self.where,
-                ) from None
-        self.position = lo + len(next(iter(chunk.values())))
-
-
-def _writable(root: zarr.Group, name: str, zarr_dir: Path) -> zarr.Array:
-    node = root[name]
-    if not isinstance(node, zarr.Array):
-        raise ExecutorError(
-            f"{name!r} in {zarr_dir} is a zarr group, but the cache layout has an array there"
-        )
-    # write_empty_chunks is runtime config, not metadata: without it an all-zero chunk gets no file.
-    return node.with_config({"write_empty_chunks": True})
-
-
 def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
     """Compute and write ``part``'s missing chunks; return what was kept and computed (no data)."""
     start = time.perf_counter()
@@ -244,7 +162,7 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
         # Here, not where the upstream graph is built: a worker may reuse a graph built for an
         # earlier job (same recipe and store) that did not ask for it. Idempotent.
         keep_freed_heap()
-    kept = kept_chunks(ZarrReader(zarr_dir), part)
+    kept = kept_chunks(zarr_dir, part.split, part.first_chunk, part.stop_chunk)
     result = {
         "split": part.split,
         "first_chunk": part.first_chunk,
@@ -262,18 +180,18 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
         result["seconds"] = time.perf_counter() - start
         return result
     stream, result["upstream_seconds"] = upstream(job)
-    root = zarr.open_group(store=DurableLocalStore(zarr_dir), mode="r+", zarr_format=3)
-    fields = sorted(stream.spec.splits[part.split].fields)
-    arrays = {f: _writable(root, f"{part.split}/{f}", zarr_dir) for f in fields}
     first = (part.first_chunk + kept) * part.chunk_samples
     # Batched as a local build batches them (same bits): lead-in samples are computed and dropped.
     result["lead_in_samples"] = first % job.batch_period
-    writer = ChunkWriter(arrays, first, part.stop, part.chunk_samples, str(zarr_dir))
+    writer = ZarrPartWriter(zarr_dir, part.split, first, part.stop)
+    position = first
     batches = samples_from(stream, part.split, first, job.batch_period)
     try:
         for batch in batches:
-            writer.add({k: v.detach().cpu().numpy() for k, v in batch.items()})
-            if writer.done:
+            n = min(len(next(iter(batch.values()))), part.stop - position)
+            writer.write(part.split, {k: v[:n].detach().cpu().numpy() for k, v in batch.items()})
+            position += n
+            if position >= part.stop:
                 break
     finally:
         # The rest of the split is not ours: stop the upstream (its decode prefetch thread) now. Closing
@@ -281,11 +199,12 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
         close = getattr(batches, "close", None)
         if close is not None:
             threading.Thread(target=close, name="close-upstream", daemon=True).start()
-    if not writer.done:
+    if position < part.stop:
         raise ExecutorError(
-            f"stage {job.input!r} ended split {part.split!r} at sample {writer.position} on worker "
+            f"stage {job.input!r} ended split {part.split!r} at sample {position} on worker "
             f"{where()}, but partition {part.describe()} needs samples up to {part.stop}"
         )
+    writer.close()
     result["computed_samples"] = part.stop - first
     result["seconds"] = time.perf_counter() - start
     return result

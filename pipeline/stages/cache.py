@@ -8,9 +8,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..errors import StageError
-from ..executors.partitions import batch_period
 from ..fingerprint import is_cacheable
-from ..ops.cache import StoredStream, write_stream
+from ..ops.cache import StoredStream, cache_layout, stream_batch_period, write_stream
 from ..registry import register
 from ..spec import STREAM, Spec
 from ..stage import Stage
@@ -101,9 +100,20 @@ class Cache(Stage):
             "recipe": ctx.recipe_name,
             "meta": dict(stream.spec.meta),
         }
-        if _executor(ctx) == "dask":
+        executor = getattr(ctx, "executor", None)
+        if executor is not None:
             if is_cacheable(ctx.fingerprints.get(name, "")):
-                return self._build_on_dask(ctx, stream.spec, staging, name, {"lineage": lineage})
+                # Each worker computes and writes its own chunks; the input stream is never pulled here.
+                layout = cache_layout(
+                    stream.spec,
+                    chunk_bytes=self.chunk_bytes,
+                    compressor=self.codec,
+                    level=self.level,
+                    attrs={"lineage": lineage},
+                )
+                return executor.build_cache(
+                    ctx, name=name, input_name=self.input, spec=stream.spec, staging=staging, layout=layout
+                )
             # Workers prove they compute the same data by recomputing its fingerprint; an input
             # that cannot be fingerprinted gives them nothing to check against.
             ctx.progress.log(
@@ -121,20 +131,8 @@ class Cache(Stage):
                 fmt=self.format,
                 progress=bar,
                 log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
-                batch_period=1 if ctx.recipe is None else batch_period(ctx.recipe, self.input),
+                batch_period=1 if ctx.recipe is None else stream_batch_period(ctx.recipe.stages, self.input),
             )
-
-    def _build_on_dask(
-        self, ctx: Any, spec: Spec, staging: Path, name: str, attrs: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Each Dask worker computes and writes its own chunks; the input stream is never pulled here."""
-        from ..executors.dask_build import build_on_dask
-        from ..executors.layout import cache_layout
-
-        layout = cache_layout(
-            spec, chunk_bytes=self.chunk_bytes, compressor=self.codec, level=self.level, attrs=attrs
-        )
-        return build_on_dask(ctx, name=name, input_name=self.input, spec=spec, staging=staging, layout=layout)
 
     def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
         return StoredStream(

@@ -58,7 +58,8 @@ def any_batching(test: Callable[..., None]) -> Callable[..., None]:
         chunk=st.integers(1, 9),
         batch=st.integers(1, 11),
     )(test)
-    fixture_ok = [HealthCheck.function_scoped_fixture]  # tmp_path_factory makes a fresh dir per example
+    # tmp_path_factory makes a fresh dir per example; the conformance suite runs one method per backend.
+    fixture_ok = [HealthCheck.function_scoped_fixture, HealthCheck.differing_executors]
     return settings(max_examples=15, deadline=None, suppress_health_check=fixture_ok)(drawn)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import stores.catalog
-import stores.zarr_entry
+import stores.durable
+import stores.staging
 from stores.catalog import Catalog, Entry
 from stores.errors import StoreFullError
 from stores.zarr_entry import ZarrReader, ZarrWriter
@@ -120,11 +120,11 @@ def test_kill_after_commit_leaves_a_complete_entry(tmp_path: Path, reference_has
 
 # ------------------------------------------------------------------------------------------- ENOSPC
 class DiskFullAfter:
-    """Stands in for ``stores.zarr_entry._write_all``: raises ENOSPC once ``budget`` bytes were written."""
+    """Stands in for ``stores.durable._write_all``: raises ENOSPC once ``budget`` bytes were written."""
 
     def __init__(self, budget: int) -> None:
         self.left = budget
-        self.real = stores.zarr_entry._write_all
+        self.real = stores.durable._write_all
 
     def __call__(self, fd: int, data: memoryview) -> None:
         size = memoryview(data).nbytes
@@ -144,7 +144,7 @@ def test_disk_full_mid_write_is_a_clean_store_full_error(
 ) -> None:
     other, _ = build_entry(str(tmp_path), fp("other"), counts=small_counts())
     other_hash = Catalog(tmp_path).content_hash(fp("other"))
-    monkeypatch.setattr(stores.zarr_entry, "_write_all", DiskFullAfter(6000))
+    monkeypatch.setattr(stores.durable, "_write_all", DiskFullAfter(6000))
     with pytest.raises(StoreFullError) as info:
         build_entry(str(tmp_path), fp("full"), resume=resume)
     err = info.value
@@ -163,14 +163,14 @@ def test_disk_full_mid_write_is_a_clean_store_full_error(
 
 
 def test_disk_full_while_writing_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = stores.catalog.atomic_write_bytes
+    real = stores.staging.atomic_write_bytes
 
     def fail_manifest(path: Path, data: bytes) -> None:
         if Path(path).name == "manifest.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(stores.catalog, "atomic_write_bytes", fail_manifest)
+    monkeypatch.setattr(stores.staging, "atomic_write_bytes", fail_manifest)
     with pytest.raises(StoreFullError, match="manifest.json") as info:
         build_entry(str(tmp_path), fp("full"), counts=small_counts())
     assert info.value.entry == fp("full")

@@ -1,0 +1,221 @@
+"""Read a sample-chunked HDF5 entry (written by :class:`stores.h5_entry.H5Writer`) chunk by chunk.
+
+Readers open the file lazily, read-only and once per process (h5py handles do not survive
+``fork``) and pickle as path + layout, so they can be shipped to DataLoader/dask workers.
+This module does not import zarr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from stores.errors import CorruptChunkError, EntryReadError, StoreNotFoundError
+from stores.h5_format import ATTR_COMPLETE, ATTR_FORMAT, ATTR_JSON, DECODE_ERRORS, FORMAT, entry_file
+from stores.layout import ArraySpec, ChunkedReader, split_name
+from stores.throttle import ThrottleDevice, ThrottledFile, ThrottleProfile, as_device
+
+# Handles inherited through fork are parked, never closed in the child: closing an HDF5 handle
+# that the parent still uses would flush or free state the parent relies on.
+_INHERITED: list[Any] = []
+
+
+class H5Reader(ChunkedReader):
+    """Read a sample-chunked HDF5 entry; turns checksum/decode failures into CorruptChunkError.
+
+    ``throttle``: a slow-storage profile (``sdcard``, ``emmc``, ``ssd``, a
+    :class:`~stores.throttle.ThrottleProfile` or a shared device) to read the file through
+    :class:`~stores.throttle.ThrottledFile`, for benchmarks and tests; ``device`` then
+    holds the simulated device's statistics.
+    """
+
+    KIND = "HDF5"
+    # h5py reads and decodes a chunk in one call: fetch_chunk does all the work and
+    # decode_chunk is the identity, so a prefetcher runs them as one stage.
+    separate_decode = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        throttle: ThrottleProfile | ThrottleDevice | str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.file = entry_file(self.path)
+        self.device = None if throttle is None else as_device(throttle)
+        self._fileobj: ThrottledFile | None = None
+        self._handle: h5py.File | None = None
+        self._pid: int | None = None
+        self._locks: dict[int, threading.Lock] = {}
+        self._dsets: dict[str, h5py.Dataset] = {}
+        if not self.file.is_file():
+            raise StoreNotFoundError(f"HDF5 entry file {self.file} does not exist")
+        with self._lock():
+            f = self._file()
+            self._attrs, shapes = self._read_layout(f)
+        self._specs: dict[str, ArraySpec] = {}
+        self._start_layout(self.file)
+        for name, (shape, chunks, dtype) in sorted(shapes.items()):
+            self._add_array(name, shape, chunks)
+            self._specs[name] = ArraySpec(tuple(shape[1:]), dtype)
+
+    # ----------------------------------------------------------------- process/handle management
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_handle=None, _pid=None, _locks={}, _dsets={}, _fileobj=None)
+        return state
+
+    def _lock(self) -> threading.Lock:
+        pid = os.getpid()
+        lock = self._locks.get(pid)
+        if lock is None:
+            lock = self._locks.setdefault(pid, threading.Lock())
+        return lock
+
+    def _file(self) -> h5py.File:
+        """This process's read-only handle, opened on first use; call with the lock held."""
+        pid = os.getpid()
+        if self._pid == pid and self._handle is not None:
+            return self._handle
+        if self._handle is not None:  # inherited through fork: park it, never use or close it here
+            _INHERITED.append(self._handle)
+        self._handle, self._dsets = None, {}
+        try:
+            # No chunk cache: every read_chunk decodes a chunk once; caching would only hold
+            # copies of data the pipeline already has (RAM is scarce on the devices this targets).
+            if self.device is None:
+                self._handle = h5py.File(self.file, "r", rdcc_nbytes=0)
+            else:
+                self._fileobj = ThrottledFile(self.file, self.device)
+                self._handle = h5py.File(self._fileobj, "r", rdcc_nbytes=0)
+        except (OSError, ValueError) as exc:
+            raise EntryReadError(
+                f"{self.file} cannot be opened as an HDF5 file: {exc}. Expected a complete HDF5 entry "
+                "not held open for writing by another process."
+            ) from exc
+        self._pid = pid
+        return self._handle
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        with self._lock():
+            f = self._file()
+            dset = self._dsets.get(name)
+            if dset is None:
+                dset = self._dsets[name] = f[name]
+            return dset
+
+    def close(self) -> None:
+        """Close this process's handle; the reader reopens on next use."""
+        with self._lock():
+            if self._handle is not None and self._pid == os.getpid():
+                self._handle.close()
+                if self._fileobj is not None:
+                    self._fileobj.close()
+            self._handle, self._pid, self._dsets, self._fileobj = None, None, {}, None
+
+    def __enter__(self) -> H5Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------------- layout
+
+    def _read_layout(
+        self, f: h5py.File
+    ) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]]]:
+        fmt = f.attrs.get(ATTR_FORMAT)
+        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+        if fmt != FORMAT:
+            raise EntryReadError(
+                f"{self.file} is not an ondevice-tl HDF5 entry: root attribute {ATTR_FORMAT!r} is "
+                f"{fmt!r}, expected {FORMAT!r}"
+            )
+        if not bool(f.attrs.get(ATTR_COMPLETE, False)):
+            raise EntryReadError(
+                f"HDF5 entry {self.file} was never completed (its writer crashed, was abandoned, or "
+                "close() failed); remove it and rebuild the entry"
+            )
+        try:
+            attrs = json.loads(f.attrs[ATTR_JSON])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EntryReadError(
+                f"HDF5 entry {self.file}: attribute {ATTR_JSON!r} is not JSON: {exc}"
+            ) from None
+        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]] = {}
+
+        def visit(name: str, node: Any) -> None:
+            if isinstance(node, h5py.Dataset):
+                shapes[name] = (tuple(node.shape), node.chunks, str(node.dtype))
+
+        f.visititems(visit)
+        return attrs, shapes
+
+    @property
+    def arrays(self) -> dict[str, ArraySpec]:
+        """Full array name -> per-sample spec."""
+        return dict(self._specs)
+
+    @property
+    def _names(self) -> dict[str, ArraySpec]:
+        return self._specs
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        copied: dict[str, Any] = json.loads(json.dumps(self._attrs))  # a deep copy: callers may mutate it
+        return copied
+
+    # ---------------------------------------------------------------------------------- reads
+
+    def read_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
+        """All arrays of ``group`` for the samples of chunk ``index`` (leaf name -> array)."""
+        group = self._group(group)
+        total = self.num_chunks(group)
+        if not isinstance(index, int | np.integer) or not 0 <= index < total:
+            raise EntryReadError(
+                f"chunk index {index!r} out of range for group {group!r} ({total} chunks) in {self.file}"
+            )
+        c = self._chunk[group]
+        lo, hi = int(index) * c, min((int(index) + 1) * c, self._count[group])
+        return {
+            split_name(name)[1]: self._read_in_chunk(name, int(index), lo, hi)
+            for name in sorted(self._specs)
+            if split_name(name)[0] == group
+        }
+
+    def fetch_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
+        """Same as :meth:`read_chunk` (HDF5 reads and decodes in one call); see ``separate_decode``."""
+        return self.read_chunk(group, index)
+
+    def decode_chunk(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The identity: :meth:`fetch_chunk` already decoded the chunk."""
+        return raw
+
+    def _read_in_chunk(self, name: str, index: int, lo: int, hi: int) -> np.ndarray:
+        dset = self._dataset(name)
+        coord = (index * self._chunk[split_name(name)[0]],) + (0,) * (dset.ndim - 1)
+        try:
+            if dset.id.get_chunk_info_by_coord(coord).byte_offset is None:
+                raise CorruptChunkError(
+                    str(self.file),
+                    name,
+                    index,
+                    "the chunk is missing (never written; HDF5 would return zeros)",
+                )
+            return np.asarray(dset[lo:hi])
+        except CorruptChunkError:
+            raise
+        except DECODE_ERRORS as exc:
+            raise CorruptChunkError(
+                str(self.file),
+                name,
+                index,
+                f"fletcher32 checksum mismatch or undecodable data ({type(exc).__name__}: {exc})",
+            ) from exc
