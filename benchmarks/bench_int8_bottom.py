@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._meta import write_result
 from pipeline.context import RunContext
-from pipeline.methods.mixed_precision.int8 import int8_bottom, int8_support
+from pipeline.models.int8 import int8_bottom, int8_support
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import build_backbone, split_at
 from pipeline.recipe import recipe_from_dict

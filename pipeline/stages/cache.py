@@ -11,9 +11,8 @@ from ..errors import StageError
 from ..executors.partitions import batch_period
 from ..fingerprint import is_cacheable
 from ..ops.cache import StoredStream, write_stream
-from ..registry import register
 from ..spec import STREAM, Spec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 
 # Lossless codecs each backend has; the first is its default.
 COMPRESSORS = {"zarr": ("zstd", "blosc", "none"), "hdf5": ("gzip", "lzf", "none")}
@@ -26,7 +25,6 @@ def _executor(ctx: Any) -> str:
     return "local" if recipe is None else recipe.executor.type
 
 
-@register
 class Cache(Stage):
     """Write-through to the store as sample-chunked zarr v3 or HDF5; later runs read it, no upstream work."""
 
@@ -91,16 +89,13 @@ class Cache(Stage):
         # Before the lossless codec: an upper bound, which is what a budget check needs.
         return sum(s.num_samples * s.sample_bytes() for s in spec.splits.values())
 
-    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, call: StageCall) -> dict[str, Any]:
         stream = inputs["input"]
+        name = call.name
         total = sum(s.num_samples for s in stream.spec.splits.values())
         # Lineage holds no timestamps: a resumed build must be bit-identical to an uninterrupted one.
-        lineage = {
-            "stage": name,
-            "fingerprint": ctx.fingerprints.get(name),
-            "recipe": ctx.recipe_name,
-            "meta": dict(stream.spec.meta),
-        }
+        assert call.lineage is not None
+        lineage = call.lineage.entry_attrs(stream.spec)
         if _executor(ctx) == "dask":
             if is_cacheable(ctx.fingerprints.get(name, "")):
                 return self._build_on_dask(ctx, stream.spec, staging, name, {"lineage": lineage})
@@ -136,7 +131,7 @@ class Cache(Stage):
         )
         return build_on_dask(ctx, name=name, input_name=self.input, spec=spec, staging=staging, layout=layout)
 
-    def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
+    def load(self, ctx: Any, entry: Any, call: StageCall) -> StoredStream:
         return StoredStream(
             Path(entry.path),
             size_bytes=entry.size_bytes,

@@ -21,14 +21,15 @@ from ..lazy import lazy_module
 from ..openmp import release_idle_workers
 from ..ops.batching import Batch
 from ..ops.prefetch import on_prefetch_thread, prefetch
-from ..registry import register
 from ..spec import DATASET, STREAM, FieldSpec, Spec, SplitSpec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 from ..stream import Stream, StreamStats
 from .sources import DatasetValue
 
 if TYPE_CHECKING:
     import torch
+
+    from ..context import RunContext
 else:
     torch = lazy_module("torch")
 
@@ -167,7 +168,6 @@ class DatasetStream(Stream):
         return concat_images([part.result() for part in parts])
 
 
-@register
 class Decode(Stage):
     """Images -> normalized RGB tensors at ``resolution``, optionally augmented in input space."""
 
@@ -196,7 +196,7 @@ class Decode(Stage):
         None, ge=1, description="threads for between_steps decoding; default torch's thread count"
     )
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data = inputs["input"]
         fields = {
             "x": FieldSpec((3, self.resolution, self.resolution), "float32"),
@@ -204,11 +204,10 @@ class Decode(Stage):
             "id": FieldSpec((), "int64"),
         }
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
-        return Spec(STREAM, data.num_classes, splits, {**data.meta, "resolution": self.resolution})
+        return data.as_stream(splits, resolution=self.resolution)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> DatasetStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DatasetStream:
         data: DatasetValue = inputs["input"]
-        spec = self.resolve({"input": data.spec}, ctx)
         augment = None
         if self.augment is not None:
             augment = InputAugment(
@@ -219,11 +218,11 @@ class Decode(Stage):
         decoder = Decoder(self.resolution, mean=self.mean, std=self.std)
         splits = self.augment.splits if self.augment else ()
         cpu_work, threads = placement(self.cpu_work, self.decode_threads, ctx)
-        return DatasetStream(data, spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch,
+        return DatasetStream(data, call.spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch,
                              cpu_work=cpu_work, threads=threads)
 
 
-def placement(cpu_work: str, threads: int | None, ctx: Any) -> tuple[str, int]:
+def placement(cpu_work: str, threads: int | None, ctx: RunContext) -> tuple[str, int]:
     """(placement, threads) for a DatasetStream: ``auto`` is between_steps on a CPU device, whose cores
     the consumer's compute already fills; threads default to torch's (``run.threads``)."""
     if cpu_work == "auto":

@@ -15,16 +15,16 @@ from pydantic import Field
 from ..errors import StageError
 from ..lazy import lazy_module
 from ..ops.batching import Batch
-from ..registry import register
-from ..spec import STREAM, FieldSpec, Spec, SplitSpec
-from ..stage import Stage
+from ..spec import STREAM, FieldSpec, Quantization, Spec, SplitSpec
+from ..stage import Stage, StageCall
 from ..stream import MapStream, Stream
 
 if TYPE_CHECKING:
     import torch
 
     from ..codec import bitpack, native, quantile
-    from .feature_aug import CropFlip
+    from ..codec.moves import CropFlip
+    from ..context import RunContext
 else:
     torch = lazy_module("torch")
     bitpack = lazy_module("pipeline.codec.bitpack")
@@ -50,7 +50,6 @@ def _feature_field(spec: Spec, split: str, stage: str) -> FieldSpec:
     return field
 
 
-@register
 class Quantize(Stage):
     """Channel-wise quantile quantization to ``bits`` (1/2/4/8), or float16/32 storage (16/32 = none)."""
 
@@ -69,7 +68,7 @@ class Quantize(Stage):
     def _bits_for(self, split: str) -> int:
         return self.bits if split in self.splits else self.eval_bits
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data = inputs["input"]
         splits = {}
         for name, s in data.splits.items():
@@ -82,13 +81,11 @@ class Quantize(Stage):
             else:
                 fields.update(quantized_fields(field.shape, bits))
             splits[name] = SplitSpec(s.num_samples, fields)
-        feature_shape = list(next(iter(data.splits.values())).fields["x"].shape)
-        return Spec(STREAM, data.num_classes, splits,
-                    {**data.meta, "bits": self.bits, "quantile_k": self.k, "feature_shape": feature_shape})
+        feature_shape = next(iter(data.splits.values())).fields["x"].shape
+        return data.with_quantization(splits, Quantization(self.bits, self.k, feature_shape))
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> MapStream:
         parent = inputs["input"]
-        spec = self.resolve({"input": parent.spec}, ctx)
 
         def encode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
             bits = self._bits_for(split)
@@ -100,10 +97,9 @@ class Quantize(Stage):
                 out.update(codes=q.codes, lo=q.lo, scale=q.scale)
             return out
 
-        return MapStream(parent, encode, spec)
+        return MapStream(parent, encode, call.spec)
 
 
-@register
 class Dequantize(Stage):
     """Back to float32 feature maps (Eq. 3); float16 splits are upcast."""
 
@@ -113,42 +109,45 @@ class Dequantize(Stage):
 
     input: str
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data = inputs["input"]
-        if "feature_shape" not in data.meta:
+        q = data.quantization
+        if q is None:
             raise StageError("expected a quantized feature stream (from a quantize stage), "
                              f"found a stream with fields {sorted(next(iter(data.splits.values())).fields)}")
-        shape = tuple(data.meta["feature_shape"])
+        shape = q.feature_shape
         splits = {}
         for name, s in data.splits.items():
             fields = {k: v for k, v in s.fields.items() if k not in ("codes", "lo", "scale", "x")}
             fields["x"] = FieldSpec(shape, "float32")
             splits[name] = SplitSpec(s.num_samples, fields)
-        return Spec(STREAM, data.num_classes, splits, data.meta)
+        return data.as_stream(splits)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
-        parent = inputs["input"]
-        spec = self.resolve({"input": parent.spec}, ctx)
-        return DequantizedStream(parent, spec)
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DequantizedStream:
+        return DequantizedStream(inputs["input"], call.spec)
 
 
 class DequantizedStream(MapStream):
     """A quantized stream's batches as float32 feature maps ``x``: the dequantize stage's output.
 
-    :meth:`decode` can also crop and flip each map while it dequantizes, which is how a
-    feature_aug stage right after it moves the stored codes instead of the floats.
+    :meth:`decode` can also crop and flip each map while it dequantizes, which is how the
+    runner's dequantize + feature_aug fusion (``pipeline.fusion``) moves the stored codes
+    instead of the floats.
     """
 
     def __init__(self, parent: Stream, spec: Spec) -> None:
         super().__init__(parent, lambda batch, *_: self.decode(batch), spec)
-        self.shape = tuple(spec.meta["feature_shape"])
-        self.bits = spec.meta["bits"]
+        q = spec.quantization
+        if q is None:
+            raise StageError("dequantize: its spec carries no quantization")
+        self.shape = q.feature_shape
+        self.bits = q.bits
 
     def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
         """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
 
-        ``crop`` moves every map on the way, its padding +0.0: how a feature_aug stage right after
-        this one augments the stored codes instead of the floats. The compiled kernel makes the
+        ``crop`` moves every map on the way, its padding +0.0: how a feature augmentation fused
+        with this stage augments the stored codes instead of the floats. The compiled kernel makes the
         maps in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give
         the same bits otherwise.
         """

@@ -36,9 +36,8 @@ from ...lazy import lazy_module
 from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk, xy
 from ...ops.prefetch import prefetch
-from ...registry import register
 from ...spec import RESULT, STREAM, Spec
-from ...stage import Stage
+from ...stage import Stage, StageCall
 from ...stream import Stream
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
@@ -59,6 +58,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ...context import RunContext
     from . import aux as aux_heads
     from . import blocks as block_runs
     from . import local as local_learning
@@ -142,7 +142,7 @@ class _BudgetedTraining(Stage):
         except ModelError as exc:
             raise StageError(f"arch: {exc}") from None
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
         return Spec(RESULT, inputs["input"].num_classes, meta={"arch": self.arch})
 
@@ -181,7 +181,6 @@ class _BudgetedTraining(Stage):
         )
 
 
-@register
 class NeuroFlux(_BudgetedTraining):
     """Adaptive local learning under a memory budget with block-wise activation spill (or classic LL)."""
 
@@ -272,7 +271,8 @@ class NeuroFlux(_BudgetedTraining):
         return [Block(0, tuple(range(len(fits))), b, per_layer, int(block_bytes(fits, b)))]
 
     # ------------------------------------------------------------------ run
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
         net, heads, local, fits = self.profile_layers(images.spec)
@@ -390,7 +390,6 @@ class NeuroFlux(_BudgetedTraining):
         return metrics
 
 
-@register
 class Backprop(_BudgetedTraining):
     """The baseline: end-to-end backpropagation with the largest batch that fits the budget."""
 
@@ -409,7 +408,8 @@ class Backprop(_BudgetedTraining):
         )
         return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch}
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
         net = self._net(images.spec)
