@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .codec.features import DequantizedStream
 from .codec.moves import CropFlip
 from .graph import Graph
 from .ops.batching import Batch, batch_size_of
 from .stage import Stage
 from .stages.feature_aug import FeatureAugment
-from .stages.quantize import Dequantize, DequantizedStream
+from .stages.quantize import Dequantize
 from .stream import Stream, StreamStats
 
 

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stores.catalog import Entry, Staging
 from stores.lock import LockHolder
@@ -29,10 +29,12 @@ from .errors import DataError, MissingPathError, ModelError, StageError
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
 from .fusion import apply_fusion, plan_fusions
 from .graph import Graph
-from .recipe import Recipe
 from .spec import DATASET, RESULT, STREAM, Spec
 from .stage import Lineage, Stage, StageCall
 from .stream import Stream
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 @dataclass

@@ -222,7 +222,7 @@ def dequantize(q: QuantizedBatch, source: torch.Tensor | None = None) -> torch.T
 
     ``source``, int64 (N, H*W), rearranges every map on the way: output position ``p`` of each
     channel of sample ``i`` is read from stored position ``source[i, p]`` (a crop or flip, see
-    :mod:`pipeline.stages.feature_aug`). Moving the one-byte codes before they become four-byte
+    :mod:`pipeline.codec.moves`). Moving the one-byte codes before they become four-byte
     floats gives what moving the floats would, at a quarter of the memory traffic.
     """
     c, h, w = q.shape

@@ -24,9 +24,9 @@ from pydantic import Field, field_validator
 
 from ..errors import StageError
 from ..lazy import lazy_module
+from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
 from ..models.weights import load_weights
 from ..ops.batching import rechunk, xy
-from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
 from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage, StageCall
 from ..stream import Stream
@@ -140,7 +140,7 @@ class Finetune(Stage):
     def footprint_from_specs(self, specs: dict[str, Spec], ctx: RunContext, *,
                              measure: bool = True) -> Footprint:
         """The training-memory footprint of this trainer from resolved specs (random weights: memory
-        does not depend on their values). Used by ``pipeline.models.memory.memory_report``."""
+        does not depend on their values). Used by ``pipeline.memory_report``."""
         refs = self.input_refs()
         inputs = {field: specs[ref] for field, ref in refs.items()}
         n = self._cut(inputs, ctx)

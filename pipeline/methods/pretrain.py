@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from ..data.decode import Decoder, InputAugment
+from ..data.stream import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
 from ..lazy import lazy_module
+from ..models.arch import ArchConfig, ModelValue
 from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage, StageCall
-from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
-from ..models.arch import ArchConfig, ModelValue
 from .trainer import TrainConfig, train
 
 if TYPE_CHECKING:
@@ -67,7 +67,9 @@ class Pretrain(Stage):
     def estimate_bytes(self, spec: Spec) -> int | None:
         return None
 
-    def build(self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall) -> dict[str, Any]:
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any]:
         torch.manual_seed(self.seed)
         data = inputs["input"]
         arch = self._arch(len(data.class_names))
@@ -80,7 +82,7 @@ class Pretrain(Stage):
                 hflip=self.augment.hflip,
             )
         decoder = Decoder(self.resolution, mean=IMAGENET_MEAN, std=IMAGENET_STD)
-        cpu_work, threads = placement("auto", None, ctx)
+        cpu_work, threads = placement("auto", None, ctx.device)
         stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch,
                                cpu_work=cpu_work, threads=threads)
 

@@ -17,8 +17,8 @@ entry's, so a cache never mixes the two.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
@@ -36,11 +36,10 @@ if TYPE_CHECKING:
     import torch
 
     from ..context import RunContext
-    from ..models import int8, zoo
+    from ..models import zoo
 else:
     torch = lazy_module("torch")
     zoo = lazy_module("pipeline.models.zoo")
-    int8 = lazy_module("pipeline.models.int8")
 
 
 class ForwardStream(Stream):
@@ -98,7 +97,9 @@ class FrozenForward(Stage):
     def identity(self, ctx: RunContext) -> str | None:
         if self.precision != "int8":
             return None
-        engine, _reason = int8.int8_support()
+        from ..models.int8 import int8_support  # torch-heavy: imported when a run resolves
+
+        engine, _reason = int8_support()
         # int8 results depend on the kernels; a fallback to fp32 must never share their fingerprint.
         return f"int8:{engine}" if engine else "int8-unavailable:fp32-fallback"
 
@@ -160,4 +161,6 @@ class FrozenForward(Stage):
             batches.close()  # stop the decode prefetch thread now, not at garbage collection
         if not calibration:
             raise StageError(f"calibration split {self.calibration_split!r} of `{self.input}` is empty")
-        return int8.int8_bottom(bottom, calibration, where=f"stage {name!r} (frozen_forward)")
+        from ..models.int8 import int8_bottom
+
+        return int8_bottom(bottom, calibration, where=f"stage {name!r} (frozen_forward)")

@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..data.identity import hash_json
+from ..data.dataset import DatasetValue
 from ..data.sampleset import SampleSet
 from ..data.sources import cifar10, cifar100, digits, fashion_mnist, image_folder, synthetic
-from ..spec import DATASET, Spec, SplitSpec
+from ..spec import DATASET
 from ..stage import Stage, StageCall
 
 if TYPE_CHECKING:
     from ..context import RunContext
-
-
-@dataclass
-class DatasetValue:
-    """Named splits of one dataset, sharing class names."""
-
-    splits: dict[str, SampleSet]
-    class_names: list[str]
-
-    @property
-    def spec(self) -> Spec:
-        return Spec(
-            DATASET,
-            num_classes=len(self.class_names),
-            splits={name: SplitSpec(len(s), {}) for name, s in self.splits.items()},
-            meta={"class_names": list(self.class_names)},
-        )
-
-    def identity(self) -> str:
-        return hash_json({name: s.identity() for name, s in sorted(self.splits.items())})
 
 
 class SourceStage(Stage):

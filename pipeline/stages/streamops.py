@@ -61,7 +61,8 @@ class Prefetch(_OpStage):
     depth: int = Field(2, ge=0)
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> OpStream:
-        return OpStream(inputs["input"], lambda it, *_: prefetch(it, self.depth, name=f"prefetch-{call.name}"))
+        label = f"prefetch-{call.name}"
+        return OpStream(inputs["input"], lambda it, *_: prefetch(it, self.depth, name=label))
 
 
 class Shuffle(_OpStage):

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from pipeline.codec import native
 from pipeline.codec.quantile import quantize
-from pipeline.ops.batching import Batch
-from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
 from pipeline.fusion import AugmentWhileDequantizing, fuse_dequantize_augment, plan_fusions
 from pipeline.graph import Graph
+from pipeline.ops.batching import Batch
 from pipeline.recipe import recipe_from_dict
+from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
 from pipeline.stages.feature_aug import FeatureAugment, crop_and_flip, sample_uniforms
 from pipeline.stages.quantize import Dequantize, DequantizedStream, quantized_fields
 from pipeline.stream import MapStream, Stream, StreamStats

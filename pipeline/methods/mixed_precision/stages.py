@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from stores.catalog import Entry
 
     from ...context import RunContext
-
     from . import fakequant, graph
 else:
     torch = lazy_module("torch")
@@ -165,7 +164,9 @@ class PartitionSearch(Stage):
             raise StageError(f"split {split!r} of `{self.input}` is empty")
         return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
-    def build(self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall) -> dict[str, Any]:
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any]:
         name = call.name
         model_value: ModelValue = inputs["model"]
         net = model_value.build(seed=self.seed).eval()  # as if seeded, then constructed
@@ -244,7 +245,7 @@ class FinetuneMixed(Finetune):
                             cache_enabled=False):
             metrics = super().run(ctx, inputs, call)
         cut = call.inputs["features"].cut if self.mode == "two_stage" else None
+        bottom = (cut.precision if cut is not None else "fp32") if self.mode == "two_stage" else None
         metrics.update(top_precision=self.top_precision, master_weights="fp32",
-                       bottom_precision=(cut.precision if cut is not None else "fp32") if self.mode == "two_stage"
-                       else self.top_precision)
+                       bottom_precision=bottom or self.top_precision)
         return metrics

@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from stores.catalog import Catalog
 
 from ...errors import ModelError, StageError
-from ...fingerprint import canonical_json, is_cacheable, sha256_hex
+from ...fingerprint import derived_fingerprint, is_cacheable, partial_fingerprint
 from ...lazy import lazy_module
 from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk, xy
@@ -52,7 +52,7 @@ from .exit import (
 )
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
 from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
-from .spill import SpillConfig, Spills, derived_fingerprint
+from .spill import SpillConfig, Spills
 
 if TYPE_CHECKING:
     import torch
@@ -206,7 +206,7 @@ class NeuroFlux(_BudgetedTraining):
     def aux_kind(self) -> str:
         return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
 
-    def training_fingerprint(self, ctx: Any, name: str) -> str | None:
+    def training_fingerprint(self, ctx: RunContext, name: str) -> str | None:
         """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
 
         Choosing or exporting a different exit never changes a trained block, so those settings are
@@ -216,9 +216,7 @@ class NeuroFlux(_BudgetedTraining):
         stage_fp, parent = ctx.fingerprints.get(name, ""), ctx.fingerprints.get(self.input, "")
         if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
             return None
-        config = {k: v for k, v in self.fingerprint_config().items() if k not in EXIT_SETTINGS}
-        payload = {"type": f"{self.type_name}@{self.version}", "config": config, "input": parent}
-        return sha256_hex(canonical_json(payload))
+        return partial_fingerprint(self, parent, EXIT_SETTINGS)
 
     # ------------------------------------------------------------------ plan
     def profile_layers(
