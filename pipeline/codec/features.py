@@ -107,7 +107,8 @@ class DequantizedStream(MapStream):
         q = spec.quantization
         if q is None:
             raise StageError("dequantize: its spec carries no quantization")
-        self.shape = q.feature_shape
+        c, h, w = q.feature_shape  # (C, H, W) maps, as quantize required
+        self.shape = (c, h, w)
         self.bits = q.bits
 
     def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:

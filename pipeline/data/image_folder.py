@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import DataError, MissingPathError
 from ..lazy import lazy_module
 from .identity import files_identity, hash_json
-from .sampleset import Images, SampleSet, as_batch
+from .sampleset import Images, Raw, SampleSet, as_batch
 
 if TYPE_CHECKING:
     import simplejpeg
@@ -147,10 +147,11 @@ class FileSampleSet(SampleSet):
 
     decodes = True
 
-    def _read(self, idx: np.ndarray) -> Sequence[tuple[Path, bytes]]:
+    def _read(self, idx: np.ndarray) -> Raw:
         return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]
 
-    def _decode(self, raw: Sequence[tuple[Path, bytes]]) -> Images:
+    def _decode(self, raw: Raw) -> Images:
+        # what _read returned: (path, bytes) per sample
         return as_batch([decode_image(path, data) for path, data in raw])
 
     def _content_identity(self) -> str:

@@ -7,9 +7,9 @@ neither imports the other.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,7 +22,7 @@ from ..spec import Spec
 from ..stream import Stream, StreamStats
 from .dataset import DatasetValue
 from .decode import Decoder, InputAugment
-from .sampleset import Images, concat_images
+from .sampleset import Images, Raw, concat_images
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ class DatasetStream(Stream):
             and not on_prefetch_thread()
         )
 
-        def pixels(raw: Sequence[Any], idx: np.ndarray) -> Images:
+        def pixels(raw: Raw, idx: np.ndarray) -> Images:
             """The CPU half: decode, then augment (per-sample seeds: any split into parts gives the same)."""
             images = samples.decode(raw)
             return images if augment is None else augment(images, idx, epoch=epoch, seed=seed)
@@ -131,7 +131,8 @@ class DatasetStream(Stream):
         # thread they start a second OpenMP team that fights the consumer's (frozen forward,
         # training) for the same cores and slows it by more than their own cost; here they run
         # on the consumer's team, between its own ops, for ~0.1 ms per 224px image.
-        ready = prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}")
+        ready = cast(Generator[tuple[np.ndarray, Any], None, None],
+                     prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}"))
         spread = between and self.threads > 1
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
         try:
@@ -153,7 +154,7 @@ class DatasetStream(Stream):
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
 
-    def _spread(self, pool: ThreadPoolExecutor, pixels: Any, raw: Sequence[Any], idx: np.ndarray) -> Images:
+    def _spread(self, pool: ThreadPoolExecutor, pixels: Any, raw: Raw, idx: np.ndarray) -> Images:
         """``pixels(raw, idx)`` computed as ``threads`` contiguous parts in parallel, joined in order."""
         k = min(self.threads, len(idx))
         if k == 1:

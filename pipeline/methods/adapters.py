@@ -44,6 +44,7 @@ else:
 
 class _Method(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+    type: str  # each method narrows it to its own literal, the recipe's ``type:``
 
     def label(self) -> str:
         return str(self.type)

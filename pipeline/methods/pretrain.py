@@ -93,6 +93,7 @@ class Pretrain(Stage):
         eval_split = "val" if "val" in data.splits else None
 
         def eval_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            assert eval_split is not None  # only passed to train() when there is one
             return xy(stream.open(eval_split))
 
         def on_epoch(record: dict[str, Any]) -> None:

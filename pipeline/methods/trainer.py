@@ -85,6 +85,8 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.
     same result for float32 (AdamW bit for bit, Adam within 1e-9 here). Older torch builds without
     a fused CPU kernel refuse ``fused=True`` at construction; then the for-loop one is used.
     """
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
     if cfg.optimizer == "sgd":
         cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
     else:

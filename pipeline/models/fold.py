@@ -58,6 +58,7 @@ def fold_batch_norms(module: nn.Module) -> nn.Module:
     folded = copy.deepcopy(module)
     for container, i in _pairs(folded):
         conv, norm = container[i], container[i + 1]
+        assert isinstance(conv, nn.Conv2d) and isinstance(norm, nn.BatchNorm2d)  # as _pairs found them
         container[i] = fuse_conv_bn_eval(conv, norm)
         container[i + 1] = nn.Identity()
     for p in folded.parameters():

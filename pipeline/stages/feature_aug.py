@@ -35,7 +35,7 @@ __all__ = ["CropFlip", "FeatureAugment", "crop_and_flip", "sample_uniforms"]
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def _mix(x: Any) -> Any:
     """splitmix64 finalizer: well-spread 64-bit values from consecutive integers."""
     with np.errstate(over="ignore"):
         x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK

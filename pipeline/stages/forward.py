@@ -111,7 +111,9 @@ class FrozenForward(Stage):
             if field is None or len(field.shape) != 3:
                 raise StageError(f"expected image tensors 'x' of shape (C,H,W) in split {split!r}, "
                                  f"found {field}")
-        resolution = next(iter(shapes.values())).shape[-1]
+        first = next(iter(shapes.values()))
+        assert first is not None  # checked above
+        resolution = first.shape[-1]
         shape = zoo.feature_shape(structure(ArchConfig.of(model)), self.train_last_blocks, resolution)
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
@@ -126,7 +128,7 @@ class FrozenForward(Stage):
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ForwardStream:
         model: ModelValue = inputs["model"]
         spec = call.spec
-        bottom, _top = zoo.split_at(model.build(), self.train_last_blocks)
+        bottom: torch.nn.Module = zoo.split_at(model.build(), self.train_last_blocks)[0]
         for p in bottom.parameters():
             p.requires_grad_(False)
         bottom.eval()
@@ -158,7 +160,9 @@ class FrozenForward(Stage):
                 if len(calibration) >= self.calibration_batches:
                     break
         finally:
-            batches.close()  # stop the decode prefetch thread now, not at garbage collection
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # stop the decode prefetch thread now, not at garbage collection
         if not calibration:
             raise StageError(f"calibration split {self.calibration_split!r} of `{self.input}` is empty")
         from ..models.int8 import int8_bottom

@@ -58,7 +58,7 @@ class ImageFolder(SourceStage):
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"root"})
 
     def load_sets(self) -> dict[str, SampleSet]:
-        return image_folder(self.root, on_bad_sample=self.on_bad_sample)
+        return dict(image_folder(self.root, on_bad_sample=self.on_bad_sample))
 
 
 class Cifar10(SourceStage):

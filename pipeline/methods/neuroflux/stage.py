@@ -203,7 +203,7 @@ class NeuroFlux(_BudgetedTraining):
     export: bool = Field(True, description="write the compact model to the run's output directory")
 
     @property
-    def aux_kind(self) -> str:
+    def aux_kind(self) -> Literal["adaptive", "classic"]:
         return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
 
     def training_fingerprint(self, ctx: RunContext, name: str) -> str | None:
@@ -435,6 +435,7 @@ class Backprop(_BudgetedTraining):
         out_dir = ctx.stage_dir(name)
         scratch = tempfile.TemporaryDirectory(prefix=f"{name}-ckpt-") if out_dir is None else None
         checkpoints = Path(scratch.name) if scratch is not None else out_dir
+        assert checkpoints is not None
         n_train = images.spec.splits["train"].num_samples
         result = train(
             net,
