@@ -130,7 +130,7 @@ class DatasetStream(Stream):
         # The consumer's thread: resize + normalize are parallel torch ops. Run from a second
         # thread they start a second OpenMP team that fights the consumer's (frozen forward,
         # training) for the same cores and slows it by more than their own cost; here they run
-        # on the consumer's team, between its own ops, for ~0.1 ms per 224px image.
+        # on the consumer's team, between its own ops.
         ready = cast(Generator[tuple[np.ndarray, Any], None, None],
                      prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}"))
         spread = between and self.threads > 1

@@ -66,9 +66,9 @@ class Finetune(Stage):
                                  "mobiletl {variant} | tinytl {mode}: how the top trains")
     memory_report: bool = Field(True, description="meter one training step and log the footprint")
     # Off by default: on a CPU whose cores the training step already fills, torch ops on a second
-    # thread start a second OpenMP team that contends with training (benchmarks/bench_train_prefetch:
-    # two-stage epochs 1.20x as long at 1 trained block, 1.09x at 7, on 2 cores). It pays when the
-    # step runs on an accelerator and CPU cores sit idle.
+    # thread start a second OpenMP team that contends with training and lengthens epochs
+    # (benchmarks/bench_train_prefetch). It pays when the step runs on an accelerator and CPU cores
+    # sit idle.
     prefetch: int = Field(0, ge=0, description="training batches prepared on a background thread, "
                           "running on into the next epoch while one ends (GPU training; 0: training thread)")
     seed: int = 0

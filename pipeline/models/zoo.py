@@ -98,7 +98,7 @@ class FrozenBottomNet(nn.Module):
     """bottom (frozen, eval mode, no autograd graph) followed by a trainable top.
 
     The forward runs a copy of the bottom with its batch norms folded into the convolutions
-    (:func:`~pipeline.models.fold.fold_batch_norms`; 21-23% faster for MobileNetV2), made at the
+    (:func:`~pipeline.models.fold.fold_batch_norms`, which makes it faster), made at the
     first forward and again after ``to``/``load_state_dict``; ``bottom`` itself, what the state dict
     and checkpoints hold, stays as the backbone has it.
     """

@@ -7,7 +7,7 @@ fingerprint) so the trainer can check it trains exactly the blocks above this cu
 ``precision`` chooses the arithmetic of the bottom (mixed-precision partitioning):
 ``fp32`` (default), ``bf16`` (autocast) or ``int8`` (static int8 kernels on CPU,
 calibrated on the first ``calibration_batches`` batches of ``calibration_split``; see
-``pipeline.methods.mixed_precision.int8``). The output is float32 in every case, so
+``pipeline.models.int8``). The output is float32 in every case, so
 it feeds quantize/cache unchanged; precision is in the config (and so in the
 fingerprint) and in the spec's ``Cut``. When int8 kernels are unavailable the
 bottom runs in fp32 with a warning, and its fingerprint differs from a real int8

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,10 @@ from .models import LayerNet
 from .partition import Block
 from .spill import Spills, block_output_stream
 
+if TYPE_CHECKING:
+    from ...context import RunContext
+    from .stage import NeuroFlux
+
 BLOCK_KIND = "neuroflux-block"
 # What later blocks read: they train on train and validate on val (test is evaluated from images).
 SPILLED_SPLITS = ("train", "val")
@@ -39,8 +43,8 @@ class BlockRun:
 
     def __init__(
         self,
-        stage: Any,
-        ctx: Any,
+        stage: NeuroFlux,
+        ctx: RunContext,
         name: str,
         catalog: Catalog,
         fingerprint: str,
