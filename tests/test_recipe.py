@@ -118,3 +118,30 @@ def test_every_stage_round_trips_its_config(name: str) -> None:
 def test_recipe_from_dict_rejects_non_mapping() -> None:
     with pytest.raises(RecipeError, match="mapping"):
         recipe_from_dict([1, 2])
+
+
+def test_the_registry_lists_every_built_in_stage_type_explicitly() -> None:
+    from pipeline.registry import BUILTIN_STAGES
+
+    types = stage_types()
+    assert set(BUILTIN_STAGES) <= set(types)
+    for name, target in BUILTIN_STAGES.items():
+        cls = types[name]
+        assert f"{cls.__module__}:{cls.__name__}" == target
+
+
+def test_registration_does_not_depend_on_import_order() -> None:
+    import subprocess
+    import sys
+
+    def types_after(*modules: str) -> str:
+        script = "".join(f"import {m}; " for m in modules)
+        script += "from pipeline.registry import stage_types; print(sorted(stage_types()))"
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    plain = types_after()
+    assert types_after("pipeline.methods.finetune", "pipeline.stages.cache") == plain
+    assert "'finetune'" in plain and "'frozen_forward'" in plain
