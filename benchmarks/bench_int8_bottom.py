@@ -1,7 +1,7 @@
 """int8 vs fp32 frozen bottom on this CPU: forward speed on the same inputs, and cache-build throughput.
 
 Part 1 (kernels): for each backbone, the bottom up to a cut is run in fp32 and as the
-calibrated int8 module of ``pipeline.methods.mixed_precision.int8`` on the same input
+calibrated int8 module of ``pipeline.models.int8`` on the same input
 batch in one process, alternately (fp32, int8, fp32, ...) so that load from other
 processes hits both alike; the median of ``--repeats`` timed runs after two warm-up
 runs is reported, with the relative L2 difference of the outputs.
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._meta import write_result
 from pipeline.context import RunContext
-from pipeline.methods.mixed_precision.int8 import int8_bottom, int8_support
+from pipeline.models.int8 import int8_bottom, int8_support
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import build_backbone, split_at
 from pipeline.recipe import recipe_from_dict

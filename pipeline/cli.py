@@ -205,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from .models.memory import memory_report
+    from .memory_report import memory_report
     from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -61,3 +61,20 @@ def uncacheable(stage_name: str, reason: str) -> str:
 
 def is_cacheable(fingerprint: str) -> bool:
     return not fingerprint.startswith(UNCACHEABLE_PREFIX)
+
+
+def partial_fingerprint(stage: Stage, parent: str, exclude: frozenset[str]) -> str:
+    """The key of what ``stage`` computes before the settings in ``exclude`` come into play.
+
+    A stage that stores intermediate work (NeuroFlux: trained blocks, spills) keys it by this,
+    so changing only a later choice (which exit to export) reuses that work. ``parent`` is the
+    fingerprint of the stage's one input.
+    """
+    config = {k: v for k, v in stage.fingerprint_config().items() if k not in exclude}
+    payload = {"type": f"{stage.type_name}@{stage.version}", "config": config, "input": parent}
+    return sha256_hex(canonical_json(payload))
+
+
+def derived_fingerprint(fingerprint: str, part: str) -> str:
+    """The fingerprint of one stored part (a trained block, a spill) of the work keyed by ``fingerprint``."""
+    return sha256_hex(f"{fingerprint}/{part}")

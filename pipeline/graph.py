@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import graphlib
+from typing import TYPE_CHECKING
 
 from .errors import RecipeError, did_you_mean
-from .recipe import Recipe
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 class Graph:

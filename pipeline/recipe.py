@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from .errors import MissingPathError, RecipeError, did_you_mean
 from .registry import stage_class
@@ -121,7 +122,7 @@ def _yaml_problem(exc: yaml.YAMLError, source: str, what: str) -> str:
     if context is not None and getattr(exc, "context", None):
         problem_mark = getattr(exc, "problem_mark", None)
         at = f" at line {problem_mark.line + 1}" if problem_mark else ""
-        detail = f"{exc.context} starting here: {detail}{at}"  # type: ignore[attr-defined]
+        detail = f"{getattr(exc, 'context', '')} starting here: {detail}{at}"
     return f"{where}: {what}: {detail}"
 
 
@@ -196,7 +197,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Path_]:
 
 
 # ------------------------------------------------------------------------- validate
-def _describe(err: dict[str, Any], model: type[BaseModel] | None) -> str:
+def _describe(err: ErrorDetails, model: type[BaseModel] | None) -> str:
     kind = err["type"]
     loc = err["loc"]
     if kind == "extra_forbidden" and model is not None:
@@ -209,7 +210,9 @@ def _describe(err: dict[str, Any], model: type[BaseModel] | None) -> str:
     return f"{err['msg']}; found {found!r}"
 
 
-def _raise(errors: list[tuple[Path_, str]], source: str, lines: dict[Path_, int], overridden: set[Path_]):
+def _raise(
+    errors: list[tuple[Path_, str]], source: str, lines: dict[Path_, int], overridden: set[Path_]
+) -> NoReturn:
     msgs = []
     for path, text in errors:
         dotted = ".".join(map(str, path)) or "<top>"
@@ -266,7 +269,7 @@ def recipe_from_dict(
             if err["loc"][:1] == ("stages",):
                 continue
             errors.append((tuple(err["loc"]), _describe(err, _model_at(Recipe, err["loc"]))))
-        recipe = None  # type: ignore[assignment]
+        recipe = None
     if errors:
         _raise(errors, source, lines, overridden)
     assert recipe is not None

@@ -118,7 +118,7 @@ def write_run_outputs(
 ) -> dict[str, Any]:
     results = {r.name: r.metrics for r in reports if r.kind == RESULT and r.metrics}
     primary = next((t for t in reversed(runner.graph.targets) if t in results), None)
-    stages = [
+    stages: list[dict[str, Any]] = [
         {
             "name": r.name,
             "type": r.type,

@@ -5,25 +5,36 @@ fingerprint is in the catalog is loaded without touching its inputs (so the froz
 forward never runs for a cache hit); otherwise it builds into a staging directory
 that becomes visible only when committed. Stream stages are lazy: they do their
 work when a downstream cache or trainer pulls batches.
+
+Every stage is resolved once, here, before any work: its output spec, fingerprint and
+lineage go to its ``run``/``build``/``load`` as a ``StageCall``. Fusions of adjacent stages
+(``pipeline.fusion``) are applied here too, so no stage reaches into another.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from stores.catalog import Entry
+from stores.catalog import Entry, Staging
+from stores.lock import LockHolder
 
 from .context import RunContext
 from .errors import DataError, MissingPathError, ModelError, StageError
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
+from .fusion import apply_fusion, plan_fusions
 from .graph import Graph
-from .recipe import Recipe
 from .spec import DATASET, RESULT, STREAM, Spec
+from .stage import Lineage, Stage, StageCall
 from .stream import Stream
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 @dataclass
@@ -64,6 +75,9 @@ class Runner:
         self._outputs: dict[str, Any] = {}
         self.reports: dict[str, StageReport] = {}
         self._held: list[Any] = []  # catalog "in use" handles of entries this run reads
+        self._keepalive: list[tempfile.TemporaryDirectory[str]] = []  # staging of unstored builds
+        self.calls: dict[str, StageCall] = {}
+        self.fusions = plan_fusions(self.graph, dict(recipe.stages))
         self._resolve()
 
     # ----------------------------------------------------------------- before work
@@ -74,12 +88,14 @@ class Runner:
             stage = self.recipe.stages[name]
             refs = self.graph.edges[name]
             in_specs = {field: self.specs[parent] for field, parent in refs.items()}
+            seconds = 0.0
             try:
                 if stage.kind == DATASET:
                     # Datasets are lazy (indices, labels, content identity), so they are
                     # materialized here: splits need labels, plans need sizes.
                     start = time.perf_counter()
-                    value = stage.run(self.ctx, {f: self._outputs[p] for f, p in refs.items()}, name)
+                    inputs = {f: self._outputs[p] for f, p in refs.items()}
+                    value = stage.run(self.ctx, inputs, StageCall(name, inputs=in_specs))
                     self._outputs[name] = value
                     self.specs[name] = value.spec
                     seconds = time.perf_counter() - start
@@ -97,12 +113,22 @@ class Runner:
                 fp = uncacheable(name, str(exc))
             self.fingerprints[name] = fp
             self.ctx.fingerprints[name] = fp
+            lineage = Lineage(
+                recipe=self.recipe.name,
+                recipe_file=self.recipe.source,
+                stage=name,
+                type=f"{stage.type_name}@{stage.version}",
+                config=stage.fingerprint_config(),
+                inputs=parents,
+                fingerprint=fp,
+            )
+            self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage)
             if stage.kind == DATASET:
                 self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
         self.ctx.fingerprints.update(self.fingerprints)
 
     def plan(self) -> list[PlanRow]:
-        rows = []
+        rows: list[PlanRow] = []
         for name in self.graph.order:
             if name not in self.graph.needed:
                 continue
@@ -136,24 +162,30 @@ class Runner:
         if name in self._outputs:
             return self._outputs[name]
         stage = self.recipe.stages[name]
-        fp = self.fingerprints[name]
+        call = self.calls[name]
+        fp = call.fingerprint
         report = StageReport(name, stage.type_name, stage.kind, fp, "computed")
         start = time.perf_counter()
         held = self.ctx.catalog.try_use(fp) if stage.cacheable and is_cacheable(fp) else None
+        value: Any
         if held is not None:
             self._held.append(held)  # in use for the whole run: budget eviction leaves it alone
-            value = stage.load(self.ctx, held.entry, name)
+            value = stage.load(self.ctx, held.entry, call)
             report.status = "reused"
             self.ctx.progress.log(f"[{name}] reusing stored {stage.kind} {fp[:12]} ({held.entry.describe()})")
         else:
             inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
             start = time.perf_counter()  # exclude the inputs' own time
             if stage.cacheable:
-                value, report.bytes_written, reused = self._build(name, stage, fp, inputs)
+                value, report.bytes_written, reused = self._build(stage, call, inputs)
                 if reused:
                     report.status = "reused"
+            elif name in self.fusions:
+                fused = self.fusions[name]
+                values = {fused.upstream: inputs["input"], fused.source: self.output(fused.source)}
+                value = apply_fusion(fused, dict(self.recipe.stages), values)
             else:
-                value = stage.run(self.ctx, inputs, name)
+                value = stage.run(self.ctx, inputs, call)
             if stage.kind == RESULT and isinstance(value, dict):
                 report.metrics = value
                 report.bytes_written = int(value.get("bytes_written", 0))
@@ -162,51 +194,43 @@ class Runner:
         self._outputs[name] = value
         return value
 
-    def _build(self, name: str, stage: Any, fp: str, inputs: dict[str, Any]) -> tuple[Any, int, bool]:
+    def _build(self, stage: Stage, call: StageCall, inputs: dict[str, Any]) -> tuple[Any, int, bool]:
         """(value, bytes written, reused): build into staging and commit, or take what another run built."""
-        lineage = {
-            "recipe": self.recipe.name,
-            "recipe_file": self.recipe.source,
-            "stage": name,
-            "type": f"{stage.type_name}@{stage.version}",
-            "config": stage.fingerprint_config(),
-            "inputs": {f: self.fingerprints[p] for f, p in self.graph.edges[name].items()},
-        }
+        name, fp = call.name, call.fingerprint
+        assert call.lineage is not None  # every resolved stage has one
+        lineage = call.lineage.manifest()
         if not is_cacheable(fp):
             # Still build through a staging directory, but never commit it under a fingerprint.
-            import tempfile
-            from pathlib import Path
-
             tmp = tempfile.TemporaryDirectory(prefix=f"{name}-nocache-")
-            self._keepalive = getattr(self, "_keepalive", []) + [tmp]
-            stage.build(self.ctx, inputs, Path(tmp.name), name)
+            self._keepalive.append(tmp)
+            stage.build(self.ctx, inputs, Path(tmp.name), call)
             size = sum(f.stat().st_size for f in Path(tmp.name).rglob("*") if f.is_file())
             now = datetime.now(timezone.utc)
             entry = Entry(fp, Path(tmp.name), stage.kind, lineage, now, now, size, {"files": []})
-            return stage.load(self.ctx, entry, name), size, False
+            return stage.load(self.ctx, entry, call), size, False
 
-        def waiting(holder: Any) -> None:
+        def waiting(holder: LockHolder | None) -> None:
             who = f"pid {holder.pid} on {holder.host}" if holder is not None else "another process"
             self.ctx.progress.log(
                 f"[{name}] waiting: {who} is building {stage.kind} {fp[:12]}; it will be reused when done"
             )
 
-        def build(staging: Any) -> dict[str, Any] | None:
+        def build(staging: Staging) -> dict[str, Any] | None:
             self.ctx.progress.log(
                 f"[{name}] computing {stage.kind} {fp[:12]}"
                 + (" (resuming an interrupted build)" if staging.resumed else "")
             )
-            return stage.build(self.ctx, inputs, staging.path, name)
+            return stage.build(self.ctx, inputs, staging.path, call)
 
         built = self.ctx.catalog.reuse_or_build(
             fp, stage.kind, lineage, build, resume=stage.resumable,
-            estimate_bytes=stage.estimate_bytes(self.specs[name]), on_wait=waiting,
+            estimate_bytes=stage.estimate_bytes(call.spec), on_wait=waiting,
         )
         if built.reused:
             self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
         self._held.append(built.use)
         written = 0 if built.reused else built.entry.size_bytes
-        return stage.load(self.ctx, built.entry, name), written, built.reused
+        return stage.load(self.ctx, built.entry, call), written, built.reused
 
     def release(self) -> None:
         """Stop streams reading ahead, and let go of the entries this run was reading (evictable again)."""

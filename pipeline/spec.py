@@ -44,12 +44,84 @@ class SplitSpec:
 
 
 @dataclass(frozen=True)
+class ModelDesc:
+    """What a MODEL spec says about the backbone: enough to rebuild its structure and check a cut."""
+
+    arch: str
+    num_blocks: int
+    width_mult: float = 1.0
+    small_input: bool = False
+    resolution: int = 224
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch, "num_blocks": self.num_blocks, "width_mult": self.width_mult,
+            "small_input": self.small_input, "resolution": self.resolution,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> ModelDesc:
+        return cls(str(meta["arch"]), int(meta["num_blocks"]), float(meta["width_mult"]),
+                   bool(meta["small_input"]), int(meta["resolution"]))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a feature stream was taken from its backbone, recorded by frozen_forward.
+
+    ``model`` is the backbone stage's fingerprint, so a trainer can check that it trains the
+    top of the very model whose bottom made the features.
+    """
+
+    arch: str
+    train_last_blocks: int
+    model: str | None
+    feature_shape: tuple[int, int, int]
+    resolution: int
+    precision: str = "fp32"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch, "train_last_blocks": self.train_last_blocks, "model": self.model,
+            "feature_shape": list(self.feature_shape), "resolution": self.resolution,
+            "precision": self.precision,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Cut:
+        c, h, w = (int(d) for d in meta["feature_shape"])
+        return cls(str(meta["arch"]), int(meta["train_last_blocks"]), meta.get("model"), (c, h, w),
+                   int(meta["resolution"]), str(meta.get("precision", "fp32")))
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a feature stream's training splits are coded (Cache & Reuse, Eq. 2), set by quantize."""
+
+    bits: int
+    quantile_k: float | None  # None where the stream was coded by something other than quantize
+    feature_shape: tuple[int, ...]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"bits": self.bits, "quantile_k": self.quantile_k, "feature_shape": list(self.feature_shape)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Quantization | None:
+        if "feature_shape" not in meta or "bits" not in meta:
+            return None
+        return cls(int(meta["bits"]), meta.get("quantile_k"), tuple(int(d) for d in meta["feature_shape"]))
+
+
+@dataclass(frozen=True)
 class Spec:
     """What a stage produces.
 
     ``splits`` maps split name to its spec (for datasets, fields may be empty because
-    raw images can differ in size). ``meta`` carries facts downstream stages check,
-    such as the cut a feature stream was taken at or the bits of a quantized stream.
+    raw images can differ in size). ``meta`` is the stored form of the facts downstream
+    stages check; stages read them typed, through ``model``, ``cut`` and ``quantization``,
+    and set them through ``model_spec``, ``with_cut`` and ``with_quantization``. The typed
+    values serialise under the same ``meta`` keys as ever, since a spec's JSON is part of
+    every stored entry.
     """
 
     kind: str
@@ -66,15 +138,52 @@ class Spec:
             )
         return self.splits[name]
 
-    def with_fields(
-        self, fields: Mapping[str, FieldSpec], splits: list[str] | None = None, **meta: Any
-    ) -> Spec:
-        """A copy whose splits (all, or the named ones) carry ``fields``, with ``meta`` merged in."""
-        new_splits = {
-            name: SplitSpec(s.num_samples, dict(fields)) if splits is None or name in splits else s
-            for name, s in self.splits.items()
-        }
-        return Spec(self.kind, self.num_classes, new_splits, {**self.meta, **meta})
+    # --- typed views of the meta facts ----------------------------------------------
+    @property
+    def model(self) -> ModelDesc:
+        """The backbone a MODEL spec describes."""
+        from .errors import StageError
+
+        if self.kind != MODEL:
+            raise StageError(f"expected a model, found a {self.kind}")
+        return ModelDesc.from_meta(self.meta)
+
+    @property
+    def cut(self) -> Cut | None:
+        """The cut a feature stream was taken at; None for a stream that is not features of a backbone."""
+        cut = self.meta.get("cut")
+        return None if cut is None else Cut.from_meta(cut)
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """How the stream's training splits are coded; None for a stream that was never quantized."""
+        return Quantization.from_meta(self.meta)
+
+    @property
+    def class_names(self) -> list[str] | None:
+        names = self.meta.get("class_names")
+        return None if names is None else list(names)
+
+    @property
+    def resolution(self) -> int | None:
+        """The decoded image size of a stream (a MODEL spec's native size is ``model.resolution``)."""
+        res = self.meta.get("resolution")
+        return None if res is None else int(res)
+
+    # --- typed constructors ---------------------------------------------------------
+    @staticmethod
+    def model_spec(desc: ModelDesc, num_classes: int) -> Spec:
+        return Spec(MODEL, num_classes=num_classes, meta=desc.to_meta())
+
+    def as_stream(self, splits: Mapping[str, SplitSpec], **meta: Any) -> Spec:
+        """A stream of the same classes and facts with ``splits``, ``meta`` merged in."""
+        return Spec(STREAM, self.num_classes, dict(splits), {**self.meta, **meta})
+
+    def with_cut(self, cut: Cut) -> Spec:
+        return Spec(self.kind, self.num_classes, self.splits, {**self.meta, "cut": cut.to_meta()})
+
+    def with_quantization(self, splits: Mapping[str, SplitSpec], q: Quantization) -> Spec:
+        return Spec(self.kind, self.num_classes, dict(splits), {**self.meta, **q.to_meta()})
 
 
 # The JSON form of a spec is part of every stored entry's attributes (an on-disk format):

@@ -9,21 +9,75 @@ its inputs' specs before any data flows (``resolve``) and does the work in ``run
 Stages whose output is worth keeping (``cacheable``) split ``run`` into ``build``
 (write into a staging directory of the store) and ``load`` (open a committed entry),
 so the runner can reuse an entry instead of recomputing it.
+
+The runner resolves every stage once, before any work, and hands the result to the work
+methods as a ``StageCall``: the stage's name, its resolved output spec, its inputs' specs,
+its fingerprint and its lineage. A stage never resolves itself again, and never looks at
+another stage's output beyond the value and spec it is given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from .spec import Spec
+from .spec import DATASET, Spec
 
 if TYPE_CHECKING:
     from stores.catalog import Entry
 
     from .context import RunContext
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What produced a stored value: built once by the runner, written by whoever stores it.
+
+    ``manifest`` is the form the catalog keeps beside an entry; ``entry_attrs`` the form a
+    stored stream carries in its own attributes. Neither holds a timestamp, so a resumed
+    build writes exactly what an uninterrupted one would.
+    """
+
+    recipe: str
+    recipe_file: str | None
+    stage: str
+    type: str
+    config: Mapping[str, Any]
+    inputs: Mapping[str, str]
+    fingerprint: str
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "recipe_file": self.recipe_file,
+            "stage": self.stage,
+            "type": self.type,
+            "config": dict(self.config),
+            "inputs": dict(self.inputs),
+        }
+
+    def entry_attrs(self, spec: Spec) -> dict[str, Any]:
+        return {"stage": self.stage, "fingerprint": self.fingerprint, "recipe": self.recipe,
+                "meta": dict(spec.meta)}
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One stage's place in a resolved run, handed to ``run``/``build``/``load``.
+
+    ``spec`` is the output spec the runner resolved (a dataset stage runs while its spec is
+    being established, so it gets an empty DATASET spec and no fingerprint or lineage).
+    """
+
+    name: str
+    spec: Spec = field(default_factory=lambda: Spec(DATASET))
+    inputs: Mapping[str, Spec] = field(default_factory=dict)
+    fingerprint: str = ""
+    lineage: Lineage | None = None
 
 
 class Stage(BaseModel):
@@ -43,11 +97,11 @@ class Stage(BaseModel):
     # --- wiring -----------------------------------------------------------------
     def input_refs(self) -> dict[str, str]:
         """Config field -> name of the stage it reads from, for the inputs this config uses."""
-        refs = {}
-        for field in self.inputs:
-            value = getattr(self, field)
+        refs: dict[str, str] = {}
+        for name in self.inputs:
+            value = getattr(self, name)
             if value is not None:
-                refs[field] = value
+                refs[name] = value
         return refs
 
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
@@ -63,14 +117,16 @@ class Stage(BaseModel):
         return None
 
     # --- work -------------------------------------------------------------------
-    def run(self, ctx: RunContext, inputs: dict[str, Any], name: str) -> Any:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Any:
         raise NotImplementedError(f"{type(self).__name__} is cacheable: the runner calls build/load")
 
-    def build(self, ctx: RunContext, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any] | None:
         """Write the output into ``staging``; return extra manifest fields."""
         raise NotImplementedError
 
-    def load(self, ctx: RunContext, entry: Entry, name: str) -> Any:
+    def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> Any:
         """Open a committed entry as this stage's output (inputs are not computed on a hit)."""
         raise NotImplementedError
 
@@ -85,12 +141,15 @@ class Stage(BaseModel):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Stage:
-        from .registry import stage_class
-
+        """This stage class from its recipe form; ``pipeline.registry.stage_from_config`` picks the class."""
+        own = getattr(cls, "type_name", None)
+        if own is None:
+            raise TypeError(f"{cls.__name__} is not a stage type; use pipeline.registry.stage_from_config")
         config = dict(config)
-        type_name = config.pop("type", cls.type_name if cls is not Stage else None)
-        target = stage_class(type_name) if cls is Stage else cls
-        return target.model_validate(config)
+        type_name = config.pop("type", own)
+        if type_name != own:
+            raise ValueError(f"{cls.__name__} has type {cls.type_name!r}, the config says {type_name!r}")
+        return cls.model_validate(config)
 
     def fingerprint_config(self) -> dict[str, Any]:
         """Settings that define the output: non-default config minus wiring and excluded fields."""

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # How the interpreter is told to run the CLI; ("-c", SCRIPT) runs a wrapper script instead.
@@ -65,3 +66,10 @@ def start_pipeline(
 
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stage_call(stage: Any, name: str, ctx: Any = None, **inputs: Any) -> Any:
+    """The ``StageCall`` the runner would hand ``stage`` named ``name`` for input specs ``inputs``."""
+    from pipeline.stage import StageCall
+
+    return StageCall(name, stage.resolve(inputs, ctx), inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -72,3 +73,45 @@ def test_parent_order_does_not_matter(parents: dict[str, str]) -> None:
     reordered = dict(reversed(list(parents.items())))
     assert stage_fingerprint(stage, parents, None) == stage_fingerprint(stage, reordered, None)
     assert is_cacheable(stage_fingerprint(stage, parents, None))
+
+
+def _backbone_fingerprints(tmp_path: Path, **backbone: object) -> dict[str, str]:
+    from pipeline.context import RunContext
+    from pipeline.recipe import recipe_from_dict
+    from pipeline.runner import Runner
+    from stores.catalog import Catalog
+
+    recipe = recipe_from_dict({"name": "w", "stages": {
+        "d": {"type": "synthetic"},
+        "img": {"type": "decode", "input": "d", "resolution": 8},
+        "m": {"type": "backbone", "arch": "mobilenet_v2", "num_classes": 4, "width_mult": 0.35,
+              "small_input": True, "resolution": 8, **backbone},
+        "f": {"type": "frozen_forward", "input": "img", "model": "m", "train_last_blocks": 2},
+    }})
+    return Runner(recipe, RunContext(catalog=Catalog(tmp_path / "store"))).fingerprints
+
+
+def test_a_weights_file_is_identified_by_its_content_not_its_path(tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    from pipeline.models.zoo import build_backbone
+
+    torch.manual_seed(1)
+    first = tmp_path / "a" / "weights.pt"
+    first.parent.mkdir()
+    torch.save(build_backbone("mobilenet_v2", 4, width_mult=0.35, small_input=True).state_dict(), first)
+    copy = tmp_path / "elsewhere" / "renamed.pt"
+    copy.parent.mkdir()
+    shutil.copy(first, copy)
+    a = _backbone_fingerprints(tmp_path, weights=str(first))
+    b = _backbone_fingerprints(tmp_path, weights=str(copy), seed=5)  # the seed only seeds a random init
+    assert a["m"] == b["m"] and a["f"] == b["f"]
+    # Other bytes, other fingerprints; and a random init is its own identity (config + seed).
+    torch.manual_seed(2)
+    torch.save(build_backbone("mobilenet_v2", 4, width_mult=0.35, small_input=True).state_dict(), copy)
+    assert _backbone_fingerprints(tmp_path, weights=str(copy))["m"] != a["m"]
+    random = _backbone_fingerprints(tmp_path)
+    assert random["m"] not in (a["m"], b["m"])
+    assert _backbone_fingerprints(tmp_path, seed=5)["m"] != random["m"]

@@ -10,8 +10,7 @@ import pytest
 from pipeline.errors import MissingPathError, RecipeError
 from pipeline.graph import Graph
 from pipeline.recipe import load_recipe, recipe_from_dict
-from pipeline.registry import stage_types
-from pipeline.stage import Stage
+from pipeline.registry import stage_from_config, stage_types
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -112,10 +111,37 @@ def test_every_stage_round_trips_its_config(name: str) -> None:
     sample = {"input": "a", "model": "m", "root": "/tmp", "batch_size": 8, "train_last_blocks": 2,
               "memory_budget_mib": 16}
     stage = cls.model_validate({f: sample[f] for f in required})
-    again = Stage.from_config(json.loads(json.dumps(stage.to_config())))
+    again = stage_from_config(json.loads(json.dumps(stage.to_config())))
     assert again == stage and type(again) is cls
 
 
 def test_recipe_from_dict_rejects_non_mapping() -> None:
     with pytest.raises(RecipeError, match="mapping"):
         recipe_from_dict([1, 2])
+
+
+def test_the_registry_lists_every_built_in_stage_type_explicitly() -> None:
+    from pipeline.registry import BUILTIN_STAGES
+
+    types = stage_types()
+    assert set(BUILTIN_STAGES) <= set(types)
+    for name, target in BUILTIN_STAGES.items():
+        cls = types[name]
+        assert f"{cls.__module__}:{cls.__name__}" == target
+
+
+def test_registration_does_not_depend_on_import_order() -> None:
+    import subprocess
+    import sys
+
+    def types_after(*modules: str) -> str:
+        script = "".join(f"import {m}; " for m in modules)
+        script += "from pipeline.registry import stage_types; print(sorted(stage_types()))"
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    plain = types_after()
+    assert types_after("pipeline.methods.finetune", "pipeline.stages.cache") == plain
+    assert "'finetune'" in plain and "'frozen_forward'" in plain

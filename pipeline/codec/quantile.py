@@ -197,7 +197,7 @@ def quantize(x: torch.Tensor, bits: int, k: int | float = 1) -> QuantizedBatch:
         torch.minimum(t, (hi - base)[..., None], out=t)
     t.mul_(inv)
     t.add_(0.5)  # + truncation below = round half up; t is in [0, 2**bits - 1] up to 2**-14 (docstring)
-    # float -> int16 -> uint8 is ~5x faster than float -> uint8 in torch's CPU kernels
+    # float -> int16 -> uint8 is much faster than float -> uint8 in torch's CPU kernels
     codes = t.to(torch.int16).to(torch.uint8).view(n, c * hw)
     return QuantizedBatch(codes=pack(codes, bits), lo=lo16, scale=scale16, bits=bits, shape=(c, h, w))
 
@@ -222,7 +222,7 @@ def dequantize(q: QuantizedBatch, source: torch.Tensor | None = None) -> torch.T
 
     ``source``, int64 (N, H*W), rearranges every map on the way: output position ``p`` of each
     channel of sample ``i`` is read from stored position ``source[i, p]`` (a crop or flip, see
-    :mod:`pipeline.stages.feature_aug`). Moving the one-byte codes before they become four-byte
+    :mod:`pipeline.codec.moves`). Moving the one-byte codes before they become four-byte
     floats gives what moving the floats would, at a quarter of the memory traffic.
     """
     c, h, w = q.shape
@@ -230,8 +230,8 @@ def dequantize(q: QuantizedBatch, source: torch.Tensor | None = None) -> torch.T
     codes = unpack(q.codes, q.bits, c * h * w).view(n, c, h * w)
     if source is not None:
         codes = move_planes(codes, source)
-    # Three simple passes beat one addcmul here: torch's addcmul is 1.3-1.4x slower than to/mul_/add_
-    # on these shapes (96x14x14, 320x7x7; Xeon, torch 2.14). The product is exact, so this rounds once.
+    # Three simple passes beat one addcmul here: torch's addcmul is slower than to/mul_/add_ on
+    # feature-map shapes. The product is exact, so this rounds once.
     out = codes.to(torch.float32)
     out.mul_(q.scale.float()[..., None])
     out.add_(q.lo.float()[..., None])

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import DataError, MissingPathError
 from ..lazy import lazy_module
 from .identity import files_identity, hash_json
-from .sampleset import Images, SampleSet, as_batch
+from .sampleset import Images, Raw, SampleSet, as_batch
 
 if TYPE_CHECKING:
     import simplejpeg
@@ -92,9 +92,8 @@ def _exif_rotated(data: bytes) -> bool:
 def _decode_jpeg(data: bytes) -> np.ndarray | None:
     """A JPEG straight from libjpeg-turbo into numpy (simplejpeg), or None to leave it to PIL.
 
-    Why not PIL for everything: for a 224 px JPEG this takes ~35% less CPU, and it holds the
-    GIL only around one call, so a decode pool scales across cores (32 images on two threads:
-    ~8 ms vs ~18 ms through PIL, whose Python-side work serializes the threads). The pixels
+    Why not PIL for everything: this takes less CPU, and it holds the GIL only around one call,
+    so a decode pool scales across cores (PIL's Python-side work serializes the threads). The pixels
     are the same as PIL's (the same library with the same accurate IDCT and upsampling;
     tests/data/test_image_folder.py checks it), so cached features do not depend on which
     path decoded them. Left to PIL: CMYK/YCCK files, EXIF-rotated ones, and anything
@@ -147,10 +146,11 @@ class FileSampleSet(SampleSet):
 
     decodes = True
 
-    def _read(self, idx: np.ndarray) -> Sequence[tuple[Path, bytes]]:
+    def _read(self, idx: np.ndarray) -> Raw:
         return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]
 
-    def _decode(self, raw: Sequence[tuple[Path, bytes]]) -> Images:
+    def _decode(self, raw: Raw) -> Images:
+        # what _read returned: (path, bytes) per sample
         return as_batch([decode_image(path, data) for path, data in raw])
 
     def _content_identity(self) -> str:

@@ -28,6 +28,8 @@ from ..errors import DataError
 from .identity import hash_array, hash_json
 
 #: A batch of images: (N, H, W, C) uint8 when all share a shape, else a list of (H, W, C) uint8 arrays.
+# What ``read`` returns: encoded bytes per sample, indices to generate, or the stored pixels.
+Raw = Sequence[Any] | np.ndarray
 Images = np.ndarray | list[np.ndarray]
 
 
@@ -53,8 +55,10 @@ def as_batch(images: Sequence[np.ndarray]) -> Images:
 
 def concat_images(parts: Sequence[Images]) -> Images:
     """Batches of images joined in order: one array when every image shares a shape, else a list."""
-    arrays = [p for p in parts if len(p)]
-    if arrays and all(isinstance(p, np.ndarray) and p.shape[1:] == arrays[0].shape[1:] for p in arrays):
+    arrays = [p for p in parts if isinstance(p, np.ndarray) and len(p)]
+    if arrays and len(arrays) == sum(1 for p in parts if len(p)) and all(
+        p.shape[1:] == arrays[0].shape[1:] for p in arrays
+    ):
         return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
     return as_batch([image for p in parts for image in p])
 
@@ -118,19 +122,19 @@ class SampleSet(ABC):
     # Loading in two halves, for callers that schedule storage and CPU work apart (the decode
     # stage reads files ahead on a background thread and decodes them on every core between
     # compute steps): ``decode(read(idx))`` is ``load(idx)``.
-    def read(self, idx: np.ndarray | Sequence[int]) -> Sequence[Any]:
+    def read(self, idx: np.ndarray | Sequence[int]) -> Raw:
         """The storage half of loading samples ``idx``: one raw item per sample, sliceable by sample."""
         return self._read(_as_index(idx, len(self), self.name))
 
-    def decode(self, raw: Sequence[Any]) -> Images:
+    def decode(self, raw: Raw) -> Images:
         """The CPU half: pixels of the samples in ``raw`` (any slice of what :meth:`read` returned)."""
         return self._decode(raw)
 
     @abstractmethod
-    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+    def _read(self, idx: np.ndarray) -> Raw:
         """Raw items of already-validated int64 indices: pixels, or what ``_decode`` turns into pixels."""
 
-    def _decode(self, raw: Sequence[Any]) -> Images:
+    def _decode(self, raw: Raw) -> Images:
         return raw  # type: ignore[return-value]  # in memory: what _read returned is already pixels
 
     def identity(self) -> str:
@@ -224,10 +228,10 @@ class GeneratedSampleSet(SampleSet):
 
     decodes = True
 
-    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+    def _read(self, idx: np.ndarray) -> Raw:
         return idx  # nothing is stored: generation is the CPU half
 
-    def _decode(self, raw: Sequence[Any]) -> Images:
+    def _decode(self, raw: Raw) -> Images:
         return as_batch([as_hwc(self._generate(int(i)), f"{self.name} sample {int(i)}") for i in raw])
 
     def _content_identity(self) -> str:
@@ -255,10 +259,10 @@ class SubsetSampleSet(SampleSet):
         self.indices = np.asarray(indices, np.int64)
         self.indices.setflags(write=False)
 
-    def _read(self, idx: np.ndarray) -> Sequence[Any]:
+    def _read(self, idx: np.ndarray) -> Raw:
         return self.parent._read(self.indices[idx])
 
-    def _decode(self, raw: Sequence[Any]) -> Images:
+    def _decode(self, raw: Raw) -> Images:
         return self.parent._decode(raw)
 
     def _content_identity(self) -> str:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import ModelError
 from ..lazy import lazy_module
+from .variants import Variant
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,12 +40,11 @@ else:
     tinytl = lazy_module("pipeline.methods.tinytl")
     zoo = lazy_module("pipeline.models.zoo")
 
-# MobileTL's ablation variants (its paper's Table 5); see pipeline.methods.mobiletl.
-Variant = Literal["proj-bn", "all-bn-shift", "all-bn"]
 
 
 class _Method(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+    type: str  # each method narrows it to its own literal, the recipe's ``type:``
 
     def label(self) -> str:
         return str(self.type)

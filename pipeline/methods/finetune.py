@@ -24,11 +24,11 @@ from pydantic import Field, field_validator
 
 from ..errors import StageError
 from ..lazy import lazy_module
+from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
 from ..models.weights import load_weights
 from ..ops.batching import rechunk, xy
-from ..registry import register
 from ..spec import MODEL, RESULT, STREAM, Spec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 from ..stream import Stream
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
 from .trainer import TrainConfig, evaluate, train
@@ -36,6 +36,7 @@ from .trainer import TrainConfig, evaluate, train
 if TYPE_CHECKING:
     import torch
 
+    from ..context import RunContext
     from ..models import memory, zoo
     from ..models.memory import Footprint
     from ..models.zoo import BlockNet, TopNet
@@ -45,7 +46,6 @@ else:
     zoo = lazy_module("pipeline.models.zoo")
 
 
-@register
 class Finetune(Stage):
     """Train the top blocks + classifier: two_stage from cached features, or the single_stage baseline."""
 
@@ -66,9 +66,9 @@ class Finetune(Stage):
                                  "mobiletl {variant} | tinytl {mode}: how the top trains")
     memory_report: bool = Field(True, description="meter one training step and log the footprint")
     # Off by default: on a CPU whose cores the training step already fills, torch ops on a second
-    # thread start a second OpenMP team that contends with training (benchmarks/bench_train_prefetch:
-    # two-stage epochs 1.20x as long at 1 trained block, 1.09x at 7, on 2 cores). It pays when the
-    # step runs on an accelerator and CPU cores sit idle.
+    # thread start a second OpenMP team that contends with training and lengthens epochs
+    # (benchmarks/bench_train_prefetch). It pays when the step runs on an accelerator and CPU cores
+    # sit idle.
     prefetch: int = Field(0, ge=0, description="training batches prepared on a background thread, "
                           "running on into the next epoch while one ends (GPU training; 0: training thread)")
     seed: int = 0
@@ -85,39 +85,33 @@ class Finetune(Stage):
             raise StageError(f"mode {self.mode!r} reads from `{data}:`, which is not set")
         return {"model": self.model, data: value}
 
-    def _cut(self, inputs: dict[str, Spec], ctx: Any) -> int:
+    def _cut(self, inputs: dict[str, Spec], ctx: RunContext) -> int:
+        """The number of top blocks to train: the features' typed ``Cut`` (two_stage), or the config."""
         model = inputs["model"]
         if self.mode == "two_stage":
-            cut = inputs["features"].meta.get("cut")
+            cut = inputs["features"].cut
             if cut is None:
                 raise StageError(f"`features: {self.features}` is not a feature stream from a frozen_forward "
                                  "stage (its spec has no cut)")
-            if self.train_last_blocks is not None and self.train_last_blocks != cut["train_last_blocks"]:
+            if self.train_last_blocks is not None and self.train_last_blocks != cut.train_last_blocks:
                 raise StageError(f"train_last_blocks={self.train_last_blocks} but `{self.features}` was cut "
-                                 f"at train_last_blocks={cut['train_last_blocks']}")
-            if cut.get("model") != ctx.fingerprints.get(self.model):
+                                 f"at train_last_blocks={cut.train_last_blocks}")
+            if cut.model != ctx.fingerprints.get(self.model):
                 raise StageError(f"`{self.features}` was computed with a different model than `{self.model}`")
-            n = cut["train_last_blocks"]
+            n = cut.train_last_blocks
         else:
             if self.train_last_blocks is None:
                 raise StageError("single_stage needs train_last_blocks (the number of top blocks to train)")
             n = self.train_last_blocks
-        from ..stages.forward import check_cut  # here, not at import: pipeline.stages imports this module
-
         check_cut(n, model)
         return n
-
-    def _arch(self, model: Spec) -> Any:
-        from ..stages.model import ArchConfig
-
-        m = model.meta
-        return ArchConfig(m["arch"], model.num_classes, m["width_mult"], m["small_input"], m["resolution"])
 
     def _top_input_shape(self, inputs: dict[str, Spec], net: BlockNet, n: int) -> tuple[int, int, int]:
         """(C, H, W) at the cut: the cached features' shape, or the bottom's output for the images."""
         if self.mode == "two_stage":
-            c, h, w = inputs["features"].meta["cut"]["feature_shape"]
-            return int(c), int(h), int(w)
+            cut = inputs["features"].cut
+            assert cut is not None  # checked by _cut
+            return cut.feature_shape
         x = inputs["images"].split("train", stage=self.type_name).fields.get("x")
         if x is None or len(x.shape) != 3:
             raise StageError(f"`images: {self.images}` must carry image tensors 'x' of shape (C,H,W), "
@@ -143,38 +137,39 @@ class Finetune(Stage):
                          optimizer=self.train.optimizer, momentum=self.train.momentum, measure=measure,
                          frozen_bytes=frozen, label=f"{adapted.method}, {self.mode}", seed=self.seed)
 
-    def footprint_from_specs(self, specs: dict[str, Spec], ctx: Any, *, measure: bool = True) -> Footprint:
+    def footprint_from_specs(self, specs: dict[str, Spec], ctx: RunContext, *,
+                             measure: bool = True) -> Footprint:
         """The training-memory footprint of this trainer from resolved specs (random weights: memory
-        does not depend on their values). Used by ``pipeline.models.memory.memory_report``."""
+        does not depend on their values). Used by ``pipeline.memory_report``."""
         refs = self.input_refs()
         inputs = {field: specs[ref] for field, ref in refs.items()}
         n = self._cut(inputs, ctx)
         data = inputs["features" if self.mode == "two_stage" else "images"]
-        torch.manual_seed(self.seed)
-        net = self._arch(inputs["model"]).build()
+        net = seeded_net(ArchConfig.of(inputs["model"]), self.seed)
         shape = self._top_input_shape(inputs, net, n)
         bottom, top, adapted = self.prepare(net, n, data.num_classes, shape)
         fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure)
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         n = self._cut(inputs, ctx)
         if self.method != DEFAULT_METHOD:
-            blocks = list(self._arch(inputs["model"]).build().blocks)
-            check_method(self.method, inputs["model"].meta["arch"], blocks, n)
+            # check_method only reads the blocks' structure
+            blocks = list(structure(ArchConfig.of(inputs["model"])).blocks)
+            check_method(self.method, inputs["model"].model.arch, blocks, n)
         data = inputs["features" if self.mode == "two_stage" else "images"]
         for split in ("train", "val"):
             data.split(split, stage=self.type_name)
         return Spec(RESULT, data.num_classes, meta={"mode": self.mode})
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
-        torch.manual_seed(self.seed)
-        model_value = inputs["model"]
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
+        model_value: ModelValue = inputs["model"]
         stream: Stream = inputs["features" if self.mode == "two_stage" else "images"]
-        specs = {"model": model_value.spec, **{k: v.spec for k, v in inputs.items() if k != "model"}}
+        specs = dict(call.inputs)
         n = self._cut(specs, ctx)
-        net = model_value.build()
+        net = model_value.build(seed=self.seed)  # as if seeded, then constructed
         shape = self._top_input_shape(specs, net, n)
         bottom, top, adapted = self.prepare(net, n, stream.spec.num_classes, shape)
         trained = top if self.mode == "two_stage" else zoo.FrozenBottomNet(bottom, top)
@@ -217,7 +212,7 @@ class Finetune(Stage):
         test_split = "test" if "test" in stream.spec.splits else "val"
         test_loss, test_acc, test_n = evaluate(trained, eval_batches(test_split))
         epoch_times = [h["epoch_seconds"] for h in result.history]
-        meta = stream.spec.meta
+        quantization = specs["features"].quantization if self.mode == "two_stage" else None
         metrics = {
             "accuracy": test_acc,
             "test_split": test_split,
@@ -230,7 +225,7 @@ class Finetune(Stage):
             else epoch_times[0],
             "epoch_seconds_all": epoch_times,
             "cache_bytes": stream.stored_bytes() if self.mode == "two_stage" else 0,
-            "bits": meta.get("bits", 32) if self.mode == "two_stage" else 32,
+            "bits": quantization.bits if quantization is not None else 32,
             "mode": self.mode,
             "train_last_blocks": n,
             "trainable_parameters": sum(p.numel() for p in params),

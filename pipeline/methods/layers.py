@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.grad import conv2d_input
 
 from ..codec.bitpack import pack, unpack
 
@@ -64,7 +65,7 @@ class _MaskedActivation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
                 fn: Callable[[torch.Tensor], torch.Tensor],
                 mask_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         y = fn(x)
@@ -74,7 +75,7 @@ class _MaskedActivation(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: Any,  # type: ignore[override]
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (packed,) = ctx.saved_tensors  # type: ignore[attr-defined]
         mask = unpack_mask(packed, ctx.shape)  # type: ignore[attr-defined]
@@ -219,7 +220,7 @@ class _FrozenWeightConv2d(torch.autograd.Function):
     """conv2d whose weight is frozen: backward to the input needs only the weight (TinyTL Eq. 2)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
                 weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> torch.Tensor:
         if ctx.needs_input_grad[0]:
@@ -228,13 +229,13 @@ class _FrozenWeightConv2d(torch.autograd.Function):
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: Any,  # type: ignore[override]
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape, stride, padding, dilation, groups = ctx.conv  # type: ignore[attr-defined]
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
             (weight,) = ctx.saved_tensors  # type: ignore[attr-defined]
-            grad_x = torch.nn.grad.conv2d_input(shape, weight, grad, stride, padding, dilation, groups)
+            grad_x = conv2d_input(shape, weight, grad, stride, padding, dilation, groups)
         if ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2, 3))
         return grad_x, None, grad_b, None, None, None, None

@@ -22,17 +22,14 @@ IRBs (MobileNet's final 1x1 conv block) train as usual.
 
 from __future__ import annotations
 
-from typing import get_args
-
 from torch import nn
 from torchvision.models import mobilenetv2, mobilenetv3
 from torchvision.ops import SqueezeExcitation
 
 from ..errors import ModelError
-from .adapters import Variant
 from .layers import PackedReLU, SignHardswish, SignReLU6, convert, shift_batchnorm
+from .variants import VARIANTS, Variant
 
-VARIANTS: tuple[str, ...] = get_args(Variant)
 #: Architectures whose blocks are inverted residual blocks MobileTL applies to.
 SUPPORTED_ARCHS: tuple[str, ...] = ("mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large")
 IRB_TYPES = (mobilenetv2.InvertedResidual, mobilenetv3.InvertedResidual)

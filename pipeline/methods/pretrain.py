@@ -15,25 +15,27 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from ..data.decode import Decoder, InputAugment
+from ..data.stream import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
 from ..lazy import lazy_module
+from ..models.arch import ArchConfig, ModelValue
 from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
-from ..registry import register
 from ..spec import DATASET, MODEL, Spec
-from ..stage import Stage
-from ..stages.decode import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
-from ..stages.model import ArchConfig, ModelValue, model_spec
+from ..stage import Stage, StageCall
 from .trainer import TrainConfig, train
 
 if TYPE_CHECKING:
     import torch
+
+    from stores.catalog import Entry
+
+    from ..context import RunContext
 else:
     torch = lazy_module("torch")
 
 WEIGHTS_FILE = "weights.pt"
 
 
-@register
 class Pretrain(Stage):
     """Train a backbone on source classes and store it as a content-addressed 'pretrained' artifact."""
 
@@ -57,16 +59,17 @@ class Pretrain(Stage):
     def _arch(self, num_classes: int) -> ArchConfig:
         return ArchConfig(self.arch, num_classes, self.width_mult, self.small_input, self.resolution)
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data = inputs["input"]
         data.split("train", stage=self.type_name)
-        arch = self._arch(data.num_classes)
-        return model_spec(arch, len(arch.build().blocks))
+        return self._arch(data.num_classes).spec()
 
     def estimate_bytes(self, spec: Spec) -> int | None:
         return None
 
-    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any]:
         torch.manual_seed(self.seed)
         data = inputs["input"]
         arch = self._arch(len(data.class_names))
@@ -79,7 +82,7 @@ class Pretrain(Stage):
                 hflip=self.augment.hflip,
             )
         decoder = Decoder(self.resolution, mean=IMAGENET_MEAN, std=IMAGENET_STD)
-        cpu_work, threads = placement("auto", None, ctx)
+        cpu_work, threads = placement("auto", None, ctx.device)
         stream = DatasetStream(data, data.spec, decoder, augment, ("train",), self.batch_size, self.prefetch,
                                cpu_work=cpu_work, threads=threads)
 
@@ -90,12 +93,13 @@ class Pretrain(Stage):
         eval_split = "val" if "val" in data.splits else None
 
         def eval_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            assert eval_split is not None  # only passed to train() when there is one
             return xy(stream.open(eval_split))
 
         def on_epoch(record: dict[str, Any]) -> None:
-            ctx.metrics_log({"stage": name, **record})
+            ctx.metrics_log({"stage": call.name, **record})
             ctx.progress.log(
-                f"[{name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
+                f"[{call.name}] epoch {record['epoch']}: loss {record['train_loss']:.3f} "
                 f"val acc {record.get('val_acc', float('nan')):.3f} "
                 f"({record['epoch_seconds']:.1f}s)"
             )
@@ -125,7 +129,7 @@ class Pretrain(Stage):
         (staging / "checkpoints").rmdir()
         return {"best_val_acc": result.best_val_acc, "history": result.history}
 
-    def load(self, ctx: Any, entry: Any, name: str) -> ModelValue:
+    def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> ModelValue:
         state, meta = load_weights(Path(entry.path) / WEIGHTS_FILE)
         return ModelValue(
             self._arch(int(meta["num_classes"])), state, f"pretrain entry {entry.fingerprint[:12]}"

@@ -28,8 +28,8 @@ wise ops are not counted), analytically per block; the forward total is cross-ch
 in torch 2.x it counts a grouped (depthwise) convolution's backward as a dense one, ``groups``
 times too many FLOPs for MobileNet's depthwise layers.
 
-``memory_report(recipe, ctx)`` applies this to every ``finetune`` stage of a recipe; it is what
-``python -m pipeline memory RECIPE`` prints.
+``pipeline.memory_report.memory_report(recipe, ctx)`` applies this to every trainer of a recipe;
+it is what ``python -m pipeline memory RECIPE`` prints.
 """
 
 from __future__ import annotations
@@ -37,15 +37,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torchvision.ops import SqueezeExcitation
-
-if TYPE_CHECKING:
-    from ..context import RunContext
-    from ..recipe import Recipe
 
 FLOAT_BITS = 32
 _NORMS = (nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
@@ -398,52 +394,3 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
         measured_flops_forward=flops_f, frozen_bytes=frozen_bytes,
         label=label,
     )
-
-
-# --------------------------------------------------------------------------------- recipes
-def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None = None,
-                  measure: bool = True) -> tuple[str, dict[str, Any]]:
-    """Training-memory footprint of every ``finetune`` stage of ``recipe`` (or of ``stages``).
-
-    Resolves the recipe (specs only: no backbone is pretrained, no cache built; weights are
-    random because memory does not depend on their values), builds each trainer's top as its
-    ``method`` makes it, and meters one training step at the stage's batch size. Returns the
-    text ``python -m pipeline memory`` prints and a JSON-able dict ``{"recipe", "stages":
-    {name: footprint}}``.
-    """
-    from ..errors import StageError
-    from ..graph import Graph
-    from ..methods.finetune import Finetune
-    from ..runner import Runner
-
-    graph = Graph(recipe)  # names first: a wrong name fails before any dataset is indexed
-    # Finetune stages are metered for one step; stages trained under a budget (neuroflux, backprop)
-    # show their profiled memory lines and what they would train at (``memory_plan``).
-    names = [
-        n
-        for n in graph.order
-        if n in graph.needed
-        and (isinstance(recipe.stages[n], Finetune) or hasattr(recipe.stages[n], "memory_plan"))
-    ]
-    if stages is not None:
-        unknown = [s for s in stages if s not in names]
-        if unknown:
-            raise StageError(f"memory: {unknown} are not trainer stages of {recipe.name}; "
-                             f"expected some of {names}")
-        names = [n for n in names if n in stages]
-    if not names:
-        raise StageError(f"memory: recipe {recipe.name} has no trainer stage among its targets")
-    runner = Runner(recipe, ctx)
-    text = [f"training memory of {recipe.name} ({recipe.source}), one step per trainer"]
-    out: dict[str, Any] = {"recipe": recipe.name, "stages": {}}
-    for name in names:
-        stage: Finetune = recipe.stages[name]  # type: ignore[assignment]
-        if not isinstance(stage, Finetune):
-            plan_text, plan = stage.memory_plan(runner.specs[stage.input])
-            text += ["", f"[{name}] {stage.type_name}, budget {plan['budget_mib']:.2f} MiB", plan_text]
-            out["stages"][name] = plan
-            continue
-        fp = stage.footprint_from_specs(runner.specs, ctx, measure=measure)
-        text += ["", f"[{name}] {fp.label}, input {tuple(fp.input_shape)}", fp.table()]
-        out["stages"][name] = fp.as_dict()
-    return "\n".join(text), out

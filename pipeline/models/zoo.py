@@ -98,7 +98,7 @@ class FrozenBottomNet(nn.Module):
     """bottom (frozen, eval mode, no autograd graph) followed by a trainable top.
 
     The forward runs a copy of the bottom with its batch norms folded into the convolutions
-    (:func:`~pipeline.models.fold.fold_batch_norms`; 21-23% faster for MobileNetV2), made at the
+    (:func:`~pipeline.models.fold.fold_batch_norms`, which makes it faster), made at the
     first forward and again after ``to``/``load_state_dict``; ``bottom`` itself, what the state dict
     and checkpoints hold, stays as the backbone has it.
     """
@@ -141,7 +141,7 @@ def _pool_head(classifier: nn.Module, dropout: nn.Module | None = None) -> nn.Se
     return nn.Sequential(OrderedDict([*parts, ("classifier", classifier)]))
 
 
-def _from_features(arch: str, tv: nn.Module, num_classes: int, small_input: bool) -> BlockNet:
+def _from_features(arch: str, tv: Any, num_classes: int, small_input: bool) -> BlockNet:
     if small_input:
         _first_conv(tv.features[0]).stride = (1, 1)
     if arch == "squeezenet1_1":
@@ -277,7 +277,8 @@ def replace_classifier(net: BlockNet, num_classes: int) -> BlockNet:
     if isinstance(old, nn.Linear):
         new: nn.Module = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
     else:
-        new = nn.Conv2d(old.in_channels, num_classes, kernel_size=old.kernel_size, bias=old.bias is not None)
+        kh, kw = old.kernel_size[0], old.kernel_size[-1]
+        new = nn.Conv2d(old.in_channels, num_classes, kernel_size=(kh, kw), bias=old.bias is not None)
     new.to(device=old.weight.device, dtype=old.weight.dtype)
     parent_name, _, child = name.rpartition(".")
     net.get_submodule(parent_name).register_module(child, new)

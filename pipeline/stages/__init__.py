@@ -1,4 +1,4 @@
-"""Built-in stage types, registered on import (see ``pipeline.registry``).
+"""Built-in stage types (``pipeline.registry.BUILTIN_STAGES`` lists them for recipes).
 
 Dataflow, in recipe order:
   sources -> split -> decode -> frozen_forward -> quantize -> cache      (stage A, once)
@@ -6,8 +6,3 @@ Dataflow, in recipe order:
   backbone / pretrain provide the model the forward and the trainer share.
   decode -> neuroflux (blocks, spills in the store, early exit) | backprop   (NeuroFlux and baseline)
 """
-
-from ..methods import finetune, pretrain  # noqa: F401
-from ..methods.mixed_precision import stages as mixed_precision_stages  # noqa: F401,E402
-from ..methods.neuroflux import stage as neuroflux_stages  # noqa: F401,E402
-from . import cache, decode, feature_aug, forward, model, quantize, sources, split, streamops  # noqa: F401

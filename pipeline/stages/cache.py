@@ -10,9 +10,8 @@ from pydantic import Field, model_validator
 from ..errors import StageError
 from ..fingerprint import is_cacheable
 from ..ops.cache import StoredStream, cache_layout, stream_batch_period, write_stream
-from ..registry import register
 from ..spec import STREAM, Spec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 
 # Lossless codecs each backend has; the first is its default.
 COMPRESSORS = {"zarr": ("zstd", "blosc", "none"), "hdf5": ("gzip", "lzf", "none")}
@@ -25,7 +24,6 @@ def _executor(ctx: Any) -> str:
     return "local" if recipe is None else recipe.executor.type
 
 
-@register
 class Cache(Stage):
     """Write-through to the store as sample-chunked zarr v3 or HDF5; later runs read it, no upstream work."""
 
@@ -90,16 +88,13 @@ class Cache(Stage):
         # Before the lossless codec: an upper bound, which is what a budget check needs.
         return sum(s.num_samples * s.sample_bytes() for s in spec.splits.values())
 
-    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
+    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, call: StageCall) -> dict[str, Any]:
         stream = inputs["input"]
+        name = call.name
         total = sum(s.num_samples for s in stream.spec.splits.values())
         # Lineage holds no timestamps: a resumed build must be bit-identical to an uninterrupted one.
-        lineage = {
-            "stage": name,
-            "fingerprint": ctx.fingerprints.get(name),
-            "recipe": ctx.recipe_name,
-            "meta": dict(stream.spec.meta),
-        }
+        assert call.lineage is not None
+        lineage = call.lineage.entry_attrs(stream.spec)
         executor = getattr(ctx, "executor", None)
         if executor is not None:
             if is_cacheable(ctx.fingerprints.get(name, "")):
@@ -134,7 +129,7 @@ class Cache(Stage):
                 batch_period=1 if ctx.recipe is None else stream_batch_period(ctx.recipe.stages, self.input),
             )
 
-    def load(self, ctx: Any, entry: Any, name: str) -> StoredStream:
+    def load(self, ctx: Any, entry: Any, call: StageCall) -> StoredStream:
         return StoredStream(
             Path(entry.path),
             size_bytes=entry.size_bytes,

@@ -7,9 +7,9 @@ fingerprint) so the trainer can check it trains exactly the blocks above this cu
 ``precision`` chooses the arithmetic of the bottom (mixed-precision partitioning):
 ``fp32`` (default), ``bf16`` (autocast) or ``int8`` (static int8 kernels on CPU,
 calibrated on the first ``calibration_batches`` batches of ``calibration_split``; see
-``pipeline.methods.mixed_precision.int8``). The output is float32 in every case, so
+``pipeline.models.int8``). The output is float32 in every case, so
 it feeds quantize/cache unchanged; precision is in the config (and so in the
-fingerprint) and in the spec's ``cut`` meta. When int8 kernels are unavailable the
+fingerprint) and in the spec's ``Cut``. When int8 kernels are unavailable the
 bottom runs in fp32 with a warning, and its fingerprint differs from a real int8
 entry's, so a cache never mixes the two.
 """
@@ -18,36 +18,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..errors import ModelError, StageError
+from ..errors import StageError
 from ..lazy import lazy_module
+from ..models.arch import ArchConfig, ModelValue, check_cut, structure
 from ..models.fold import fold_batch_norms
 from ..ops.batching import Batch, rechunk
-from ..registry import register
-from ..spec import MODEL, STREAM, FieldSpec, Spec, SplitSpec
-from ..stage import Stage
+from ..spec import MODEL, STREAM, Cut, FieldSpec, Spec, SplitSpec
+from ..stage import Stage, StageCall
 from ..stream import Stream, StreamStats
-from .model import ModelValue
 
 if TYPE_CHECKING:
     import torch
 
+    from ..context import RunContext
     from ..models import zoo
 else:
     torch = lazy_module("torch")
     zoo = lazy_module("pipeline.models.zoo")
-
-
-def check_cut(train_last_blocks: int, model: Spec) -> None:
-    n = model.meta["num_blocks"]
-    if not 0 <= train_last_blocks <= n:
-        raise ModelError(
-            f"train_last_blocks={train_last_blocks} is outside the valid range 0..{n} "
-            f"for {model.meta['arch']} ({n} blocks)"
-        )
 
 
 class ForwardStream(Stream):
@@ -76,7 +68,6 @@ class ForwardStream(Stream):
         return self.parent.stored_bytes()
 
 
-@register
 class FrozenForward(Stage):
     """The frozen bottom of a backbone (eval mode, no grad) up to the cut, in fp32, bf16 or int8."""
 
@@ -103,16 +94,16 @@ class FrozenForward(Stage):
             config.pop("calibration_split", None)
         return config
 
-    def identity(self, ctx: Any) -> str | None:
+    def identity(self, ctx: RunContext) -> str | None:
         if self.precision != "int8":
             return None
-        from ..methods.mixed_precision.int8 import int8_support
+        from ..models.int8 import int8_support  # torch-heavy: imported when a run resolves
 
         engine, _reason = int8_support()
         # int8 results depend on the kernels; a fallback to fp32 must never share their fingerprint.
         return f"int8:{engine}" if engine else "int8-unavailable:fp32-fallback"
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data, model = inputs["input"], inputs["model"]
         check_cut(self.train_last_blocks, model)
         shapes = {name: s.fields.get("x") for name, s in data.splits.items()}
@@ -120,34 +111,32 @@ class FrozenForward(Stage):
             if field is None or len(field.shape) != 3:
                 raise StageError(f"expected image tensors 'x' of shape (C,H,W) in split {split!r}, "
                                  f"found {field}")
-        resolution = next(iter(shapes.values())).shape[-1]
-        from .model import ArchConfig
-
-        arch = ArchConfig(model.meta["arch"], model.num_classes, model.meta["width_mult"],
-                          model.meta["small_input"], model.meta["resolution"])
-        shape = zoo.feature_shape(arch.build(), self.train_last_blocks, resolution)
+        first = next(iter(shapes.values()))
+        assert first is not None  # checked above
+        resolution = first.shape[-1]
+        shape = zoo.feature_shape(structure(ArchConfig.of(model)), self.train_last_blocks, resolution)
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
         if self.precision == "int8" and self.calibration_split not in data.splits:
             raise StageError(f"calibration_split {self.calibration_split!r} is not a split of "
                              f"`{self.input}` (found {sorted(data.splits)})")
-        cut = {"arch": model.meta["arch"], "train_last_blocks": self.train_last_blocks,
-               "model": ctx.fingerprints.get(self.model), "feature_shape": list(shape),
-               "resolution": resolution, "precision": self.precision}
-        return Spec(STREAM, data.num_classes, splits, {**data.meta, "cut": cut})
+        cut = Cut(model.model.arch, self.train_last_blocks, ctx.fingerprints.get(self.model),
+                  shape, resolution, self.precision)
+        return data.as_stream(splits).with_cut(cut)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> ForwardStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ForwardStream:
         model: ModelValue = inputs["model"]
-        spec = self.resolve({"input": inputs["input"].spec, "model": model.spec}, ctx)
-        bottom, _top = zoo.split_at(model.build(), self.train_last_blocks)
+        spec = call.spec
+        bottom: torch.nn.Module = zoo.split_at(model.build(), self.train_last_blocks)[0]
         for p in bottom.parameters():
             p.requires_grad_(False)
         bottom.eval()
         if self.precision == "int8":  # int8 conversion folds the batch norms itself
-            bottom, used = self._int8(ctx, inputs["input"], bottom, name)
-            spec = Spec(spec.kind, spec.num_classes, spec.splits,
-                        {**spec.meta, "cut": {**spec.meta["cut"], "precision": used}})
+            bottom, used = self._int8(ctx, inputs["input"], bottom, call.name)
+            cut = spec.cut
+            assert cut is not None  # resolve() set it
+            spec = spec.with_cut(replace(cut, precision=used))
         elif self.precision == "bf16" and ctx.torch_device.type != "cpu":
             raise StageError(f"precision: bf16 is implemented with CPU autocast; run.device is {ctx.device}")
         else:
@@ -155,11 +144,9 @@ class FrozenForward(Stage):
         return ForwardStream(inputs["input"], bottom.to(ctx.torch_device), spec, self.batch_size,
                              autocast_bf16=self.precision == "bf16")
 
-    def _int8(self, ctx: Any, stream: Stream, bottom: torch.nn.Module,
+    def _int8(self, ctx: RunContext, stream: Stream, bottom: torch.nn.Module,
               name: str) -> tuple[torch.nn.Module, str]:
         """The calibrated int8 bottom (or the fp32 one with a warning when int8 is unavailable)."""
-        from ..methods.mixed_precision.int8 import int8_bottom
-
         if ctx.torch_device.type != "cpu":
             raise StageError(f"precision: int8 uses CPU int8 kernels; run.device is {ctx.device} "
                              "(set run.device: cpu or precision: fp32)")
@@ -173,7 +160,11 @@ class FrozenForward(Stage):
                 if len(calibration) >= self.calibration_batches:
                     break
         finally:
-            batches.close()  # stop the decode prefetch thread now, not at garbage collection
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # stop the decode prefetch thread now, not at garbage collection
         if not calibration:
             raise StageError(f"calibration split {self.calibration_split!r} of `{self.input}` is empty")
+        from ..models.int8 import int8_bottom
+
         return int8_bottom(bottom, calibration, where=f"stage {name!r} (frozen_forward)")

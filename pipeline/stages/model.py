@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -11,61 +10,17 @@ from pydantic import Field
 
 from ..errors import MissingPathError
 from ..lazy import lazy_module
-from ..models.weights import apply_weights, hub_checkpoint, load_weights
-from ..registry import register
+from ..models.arch import ArchConfig, ModelValue, seeded_net
+from ..models.weights import hub_checkpoint, load_weights
 from ..spec import MODEL, Spec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 
 if TYPE_CHECKING:
     import torch
 
-    from ..models import zoo
+    from ..context import RunContext
 else:
     torch = lazy_module("torch")
-    zoo = lazy_module("pipeline.models.zoo")
-
-
-@dataclass(frozen=True)
-class ArchConfig:
-    arch: str
-    num_classes: int
-    width_mult: float = 1.0
-    small_input: bool = False
-    resolution: int = 224
-
-    def build(self) -> zoo.BlockNet:
-        return zoo.build_backbone(self.arch, self.num_classes, width_mult=self.width_mult,
-                              small_input=self.small_input)
-
-
-@dataclass
-class ModelValue:
-    """A backbone to instantiate: fresh modules on every ``build`` so consumers never share state."""
-
-    config: ArchConfig
-    state_dict: dict[str, torch.Tensor] | None
-    source: str  # where the weights came from, for messages and lineage
-    num_blocks: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_blocks = len(self.config.build().blocks)
-
-    def build(self) -> zoo.BlockNet:
-        net = self.config.build()
-        if self.state_dict is not None:
-            apply_weights(net, self.state_dict, source=self.source)
-        return net
-
-    @property
-    def spec(self) -> Spec:
-        return model_spec(self.config, self.num_blocks)
-
-
-def model_spec(config: ArchConfig, num_blocks: int) -> Spec:
-    return Spec(MODEL, num_classes=config.num_classes, meta={
-        "arch": config.arch, "num_blocks": num_blocks, "width_mult": config.width_mult,
-        "small_input": config.small_input, "resolution": config.resolution,
-    })
 
 
 def file_sha256(path: Path) -> str:
@@ -76,7 +31,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@register
 class Backbone(Stage):
     """A torchvision backbone as a block list, with weights from a file, the hub cache, or random init.
 
@@ -114,20 +68,28 @@ class Backbone(Stage):
             raise MissingPathError(f"weights file not found: {path} (set weights: to a state_dict file)")
         return path
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         self._weights_path()  # fail before any work if the file is missing
-        net = self._config().build()
-        return model_spec(self._config(), len(net.blocks))
+        return self._config().spec()
 
-    def identity(self, ctx: Any) -> str | None:
+    def fingerprint_config(self) -> dict[str, Any]:
+        """Where the weights are read from is not identity, their bytes are (``identity``): a weights
+        file copied elsewhere keeps its fingerprint. The seed only matters to a random init."""
+        config = super().fingerprint_config()
+        if self.weights is not None:
+            config.pop("weights", None)
+            config.pop("seed", None)
+        return config
+
+    def identity(self, ctx: RunContext) -> str | None:
         path = self._weights_path()
-        return file_sha256(path) if path else None  # random init: config + seed identify it
+        # Random init: config + seed identify it; a file (or hub checkpoint): its content.
+        return file_sha256(path) if path else None
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> ModelValue:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ModelValue:
         path = self._weights_path()
         if path is None:
-            torch.manual_seed(self.seed)
-            state = self._config().build().state_dict()
+            state = seeded_net(self._config(), self.seed).state_dict()
             return ModelValue(self._config(), state, f"random init (seed {self.seed})")
         state, _meta = load_weights(path)
         return ModelValue(self._config(), state, str(path))

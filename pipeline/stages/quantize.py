@@ -1,9 +1,9 @@
-"""Quantize / dequantize feature streams (Cache & Reuse, Eq. 2 and Eq. 3).
+"""Quantize / dequantize feature streams (Cache & Reuse, Eq. 2 and Eq. 3) as recipe stages.
 
 Training splits are stored as bit-packed n-bit codes with per-sample, per-channel
 range (``lo``, ``scale``); evaluation splits keep float16 by default, because the
 deployed model sees real (unquantized) features at inference and evaluation should
-measure that model, not the compression.
+measure that model, not the compression. The coding itself is ``pipeline.codec.features``.
 """
 
 from __future__ import annotations
@@ -12,45 +12,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..errors import StageError
-from ..lazy import lazy_module
-from ..ops.batching import Batch
-from ..registry import register
-from ..spec import STREAM, FieldSpec, Spec, SplitSpec
-from ..stage import Stage
-from ..stream import MapStream, Stream
+from ..codec.features import DequantizedStream, coded_spec, decoded_spec, encoded, quantized_fields
+from ..spec import STREAM, Spec
+from ..stage import Stage, StageCall
+from ..stream import MapStream
 
 if TYPE_CHECKING:
-    import torch
+    from ..context import RunContext
 
-    from ..codec import bitpack, native, quantile
-    from .feature_aug import CropFlip
-else:
-    torch = lazy_module("torch")
-    bitpack = lazy_module("pipeline.codec.bitpack")
-    native = lazy_module("pipeline.codec.native")
-    quantile = lazy_module("pipeline.codec.quantile")
-
-FLOAT_BITS = {16: "float16", 32: "float32"}
+__all__ = ["Dequantize", "DequantizedStream", "Quantize", "quantized_fields"]
 
 
-def quantized_fields(shape: tuple[int, ...], bits: int) -> dict[str, FieldSpec]:
-    c = shape[0]
-    n = 1
-    for d in shape:
-        n *= d
-    return {"codes": FieldSpec((bitpack.packed_length(n, bits),), "uint8"), "lo": FieldSpec((c,), "float16"),
-            "scale": FieldSpec((c,), "float16")}
-
-
-def _feature_field(spec: Spec, split: str, stage: str) -> FieldSpec:
-    field = spec.split(split, stage=stage).fields.get("x")
-    if field is None or len(field.shape) != 3:
-        raise StageError(f"expected feature maps 'x' of shape (C,H,W) in split {split!r}, found {field}")
-    return field
-
-
-@register
 class Quantize(Stage):
     """Channel-wise quantile quantization to ``bits`` (1/2/4/8), or float16/32 storage (16/32 = none)."""
 
@@ -69,41 +41,13 @@ class Quantize(Stage):
     def _bits_for(self, split: str) -> int:
         return self.bits if split in self.splits else self.eval_bits
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
-        data = inputs["input"]
-        splits = {}
-        for name, s in data.splits.items():
-            field = _feature_field(data, name, self.type_name)
-            bits = self._bits_for(name)
-            fields = dict(s.fields)
-            del fields["x"]
-            if bits in FLOAT_BITS:
-                fields["x"] = FieldSpec(field.shape, FLOAT_BITS[bits])
-            else:
-                fields.update(quantized_fields(field.shape, bits))
-            splits[name] = SplitSpec(s.num_samples, fields)
-        feature_shape = list(next(iter(data.splits.values())).fields["x"].shape)
-        return Spec(STREAM, data.num_classes, splits,
-                    {**data.meta, "bits": self.bits, "quantile_k": self.k, "feature_shape": feature_shape})
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+        return coded_spec(inputs["input"], self._bits_for, self.bits, self.k, stage=self.type_name)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
-        parent = inputs["input"]
-        spec = self.resolve({"input": parent.spec}, ctx)
-
-        def encode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
-            bits = self._bits_for(split)
-            out = {k: v for k, v in batch.items() if k != "x"}
-            if bits in FLOAT_BITS:
-                out["x"] = batch["x"].to(getattr(torch, FLOAT_BITS[bits]))
-            else:
-                q = quantile.quantize(batch["x"], bits, self.k if self.k < 1 else int(self.k))
-                out.update(codes=q.codes, lo=q.lo, scale=q.scale)
-            return out
-
-        return MapStream(parent, encode, spec)
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> MapStream:
+        return encoded(inputs["input"], call.spec, self._bits_for, self.k)
 
 
-@register
 class Dequantize(Stage):
     """Back to float32 feature maps (Eq. 3); float16 splits are upcast."""
 
@@ -113,59 +57,8 @@ class Dequantize(Stage):
 
     input: str
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
-        data = inputs["input"]
-        if "feature_shape" not in data.meta:
-            raise StageError("expected a quantized feature stream (from a quantize stage), "
-                             f"found a stream with fields {sorted(next(iter(data.splits.values())).fields)}")
-        shape = tuple(data.meta["feature_shape"])
-        splits = {}
-        for name, s in data.splits.items():
-            fields = {k: v for k, v in s.fields.items() if k not in ("codes", "lo", "scale", "x")}
-            fields["x"] = FieldSpec(shape, "float32")
-            splits[name] = SplitSpec(s.num_samples, fields)
-        return Spec(STREAM, data.num_classes, splits, data.meta)
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+        return decoded_spec(inputs["input"])
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> MapStream:
-        parent = inputs["input"]
-        spec = self.resolve({"input": parent.spec}, ctx)
-        return DequantizedStream(parent, spec)
-
-
-class DequantizedStream(MapStream):
-    """A quantized stream's batches as float32 feature maps ``x``: the dequantize stage's output.
-
-    :meth:`decode` can also crop and flip each map while it dequantizes, which is how a
-    feature_aug stage right after it moves the stored codes instead of the floats.
-    """
-
-    def __init__(self, parent: Stream, spec: Spec) -> None:
-        super().__init__(parent, lambda batch, *_: self.decode(batch), spec)
-        self.shape = tuple(spec.meta["feature_shape"])
-        self.bits = spec.meta["bits"]
-
-    def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
-        """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
-
-        ``crop`` moves every map on the way, its padding +0.0: how a feature_aug stage right after
-        this one augments the stored codes instead of the floats. The compiled kernel makes the
-        maps in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give
-        the same bits otherwise.
-        """
-        out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
-        if "codes" in batch:
-            move = None if crop is None else crop.move
-            x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits, self.shape,
-                                        move, threads=torch.get_num_threads())
-            if x is None:
-                q = quantile.QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"],
-                                            bits=self.bits, shape=self.shape)
-                x = quantile.dequantize(q, None if crop is None else crop.source)
-                if crop is not None:
-                    crop.zero_padding(x)
-        elif crop is not None:  # stored as floats: move the (float16) values, then widen them
-            x = crop.zero_padding(quantile.move_planes(batch["x"], crop.source).float())
-        else:
-            x = batch["x"].float()
-        out["x"] = x
-        return out
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DequantizedStream:
+        return DequantizedStream(inputs["input"], call.spec)

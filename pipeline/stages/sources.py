@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..data.identity import hash_json
+from ..data.dataset import DatasetValue
 from ..data.sampleset import SampleSet
 from ..data.sources import cifar10, cifar100, digits, fashion_mnist, image_folder, synthetic
-from ..registry import register
-from ..spec import DATASET, Spec, SplitSpec
-from ..stage import Stage
+from ..spec import DATASET
+from ..stage import Stage, StageCall
 
-
-@dataclass
-class DatasetValue:
-    """Named splits of one dataset, sharing class names."""
-
-    splits: dict[str, SampleSet]
-    class_names: list[str]
-
-    @property
-    def spec(self) -> Spec:
-        return Spec(
-            DATASET,
-            num_classes=len(self.class_names),
-            splits={name: SplitSpec(len(s), {}) for name, s in self.splits.items()},
-            meta={"class_names": list(self.class_names)},
-        )
-
-    def identity(self) -> str:
-        return hash_json({name: s.identity() for name, s in sorted(self.splits.items())})
+if TYPE_CHECKING:
+    from ..context import RunContext
 
 
 class SourceStage(Stage):
@@ -41,13 +22,12 @@ class SourceStage(Stage):
     def load_sets(self) -> dict[str, SampleSet]:
         raise NotImplementedError
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> DatasetValue:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DatasetValue:
         sets = self.load_sets()
         first = next(iter(sets.values()))
         return DatasetValue(sets, list(first.class_names))
 
 
-@register
 class Digits(SourceStage):
     """scikit-learn's bundled 8x8 digits (1797 samples): the embedded default, no download."""
 
@@ -57,7 +37,6 @@ class Digits(SourceStage):
         return digits()
 
 
-@register
 class FashionMNIST(SourceStage):
     """The four idx .gz files from Debian's dataset-fashion-mnist (found automatically) or ``root``."""
 
@@ -70,7 +49,6 @@ class FashionMNIST(SourceStage):
         return fashion_mnist(root=self.root, download=self.download)
 
 
-@register
 class ImageFolder(SourceStage):
     """Class-per-folder JPEG/PNG trees; identity is content, so moving the folder keeps the cache."""
 
@@ -80,10 +58,9 @@ class ImageFolder(SourceStage):
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"root"})
 
     def load_sets(self) -> dict[str, SampleSet]:
-        return image_folder(self.root, on_bad_sample=self.on_bad_sample)
+        return dict(image_folder(self.root, on_bad_sample=self.on_bad_sample))
 
 
-@register
 class Cifar10(SourceStage):
     """CIFAR-10 from a torchvision root folder; never downloads unless ``download: true``."""
 
@@ -96,7 +73,6 @@ class Cifar10(SourceStage):
         return cifar10(self.root, download=self.download)
 
 
-@register
 class Cifar100(Cifar10):
     """CIFAR-100 from a torchvision root folder; never downloads unless ``download: true``."""
 
@@ -106,7 +82,6 @@ class Cifar100(Cifar10):
         return cifar100(self.root, download=self.download)
 
 
-@register
 class Synthetic(SourceStage):
     """Random class-dependent images of any size, generated on demand (for benchmarks)."""
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
 from ..data.splits import make_splits
 from ..errors import DataError
-from ..registry import register
 from ..spec import DATASET
-from ..stage import Stage
+from ..stage import Stage, StageCall
 from .sources import DatasetValue
 
+if TYPE_CHECKING:
+    from ..context import RunContext
 
-@register
+
 class Split(Stage):
     """Select ``classes`` (relabelled 0..k-1 in that order), cap train samples per class, carve val/test.
 
@@ -40,7 +41,7 @@ class Split(Stage):
     )
     seed: int = 0
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> DatasetValue:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DatasetValue:
         data: DatasetValue = inputs["input"]
         splits = make_splits(
             data.splits, classes=self.classes, per_class=self.per_class, val_fraction=self.val_fraction,

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
 from ..ops.batching import Batch, rechunk
 from ..ops.prefetch import prefetch
 from ..ops.shuffle import window_shuffle
-from ..registry import register
 from ..spec import STREAM, Spec
-from ..stage import Stage
+from ..stage import Stage, StageCall
 from ..stream import Stream, StreamStats
+
+if TYPE_CHECKING:
+    from ..context import RunContext
 
 
 class OpStream(Stream):
@@ -34,11 +36,10 @@ class _OpStage(Stage):
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
     input: str
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         return inputs["input"]
 
 
-@register
 class Rechunk(_OpStage):
     """Change the batch size mid-stream; every sample exactly once, order unchanged."""
 
@@ -47,12 +48,11 @@ class Rechunk(_OpStage):
     batch_size: int = Field(..., ge=1)
     drop_last: bool = False
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> OpStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> OpStream:
         size, drop_last = self.batch_size, self.drop_last
         return OpStream(inputs["input"], lambda it, *_: rechunk(it, size, drop_last=drop_last))
 
 
-@register
 class Prefetch(_OpStage):
     """Keep ``depth`` batches ready on a background thread."""
 
@@ -60,11 +60,11 @@ class Prefetch(_OpStage):
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"depth"})
     depth: int = Field(2, ge=0)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> OpStream:
-        return OpStream(inputs["input"], lambda it, *_: prefetch(it, self.depth, name=f"prefetch-{name}"))
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> OpStream:
+        label = f"prefetch-{call.name}"
+        return OpStream(inputs["input"], lambda it, *_: prefetch(it, self.depth, name=label))
 
 
-@register
 class Shuffle(_OpStage):
     """Shuffle within a window of ``buffer`` samples (training passes only)."""
 
@@ -73,7 +73,7 @@ class Shuffle(_OpStage):
     buffer: int = Field(1024, ge=1)
     batch_size: int = Field(64, ge=1)
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> OpStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> OpStream:
         def op(it: Iterator[Batch], split: str, epoch: int, seed: int, shuffle: bool) -> Iterator[Batch]:
             if not shuffle:
                 return it

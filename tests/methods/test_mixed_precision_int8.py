@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from pipeline.methods.mixed_precision import int8 as int8_mod
-from pipeline.methods.mixed_precision.int8 import Int8UnavailableWarning, int8_bottom, int8_support
+from pipeline.models import int8 as int8_mod
+from pipeline.models.int8 import Int8UnavailableWarning, int8_bottom, int8_support
 from pipeline.models.zoo import build_backbone, split_at
 
 needs_int8 = pytest.mark.skipif(int8_support()[0] is None, reason=f"no int8 kernels: {int8_support()[1]}")

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.context import RunContext
 from pipeline.errors import StageError
-from pipeline.methods.mixed_precision import int8 as int8_mod
+from pipeline.models import int8 as int8_mod
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog

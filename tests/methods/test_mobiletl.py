@@ -27,7 +27,7 @@ from pipeline.methods.layers import (
 from pipeline.methods.mobiletl import check_mobiletl_top, main_branch, mobiletl_block
 from pipeline.models.memory import footprint
 from pipeline.models.zoo import build_backbone, feature_shape, split_at
-from pipeline.stage import Stage
+from pipeline.registry import stage_from_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -190,7 +190,7 @@ def test_unsupported_backbone_and_bad_block_counts_are_clear_errors() -> None:
 
 def test_stage_config_round_trips_and_accepts_shorthand() -> None:
     stage = Finetune(model="m", features="f", method={"type": "mobiletl", "variant": "all-bn"})
-    again = Stage.from_config(json.loads(json.dumps(stage.to_config())))
+    again = stage_from_config(json.loads(json.dumps(stage.to_config())))
     assert again == stage and again.method.variant == "all-bn"
     short = Finetune(model="m", features="f", method="mobiletl")
     assert short.method == MobileTLMethod(type="mobiletl")

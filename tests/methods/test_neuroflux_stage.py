@@ -273,7 +273,7 @@ def test_unknown_model_family_names_the_supported_ones(tmp_path: Path) -> None:
 
 
 def test_memory_command_shows_the_block_plan_without_training(tmp_path: Path) -> None:
-    from pipeline.models.memory import memory_report
+    from pipeline.memory_report import memory_report
 
     recipe = recipe_dict()
     recipe["stages"]["tight"] = {**recipe["stages"]["nf"], "memory_budget_mib": 0.05}

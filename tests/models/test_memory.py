@@ -11,8 +11,9 @@ from torch import nn
 
 from pipeline.context import RunContext
 from pipeline.errors import StageError
+from pipeline.memory_report import memory_report
 from pipeline.methods.layers import frozen_conv
-from pipeline.models.memory import footprint, memory_report, stored_bits
+from pipeline.models.memory import footprint, stored_bits
 from pipeline.recipe import load_recipe, recipe_from_dict
 from stores.catalog import Catalog
 

@@ -19,6 +19,7 @@ from pipeline.data.decode import Decoder, InputAugment
 from pipeline.data.sources import synthetic
 from pipeline.stages.decode import DatasetStream, Decode
 from pipeline.stages.sources import DatasetValue
+from tests.helpers import stage_call
 
 RES = 16
 
@@ -142,10 +143,10 @@ def test_auto_placement_follows_the_device() -> None:
     data = DatasetValue(sets, list(sets["train"].class_names))
     ctx = RunContext(catalog=None, device="cpu")  # type: ignore[arg-type]  # decode never stores
     stage = Decode(input="data", resolution=RES)
-    stream = stage.run(ctx, {"input": data}, "images")
+    stream = stage.run(ctx, {"input": data}, stage_call(stage, "images", input=data.spec))
     assert stream.cpu_work == "between_steps" and stream.threads == torch.get_num_threads()
     forced = Decode(input="data", resolution=RES, cpu_work="background", decode_threads=3)
-    stream = forced.run(ctx, {"input": data}, "images")
+    stream = forced.run(ctx, {"input": data}, stage_call(forced, "images", input=data.spec))
     assert (stream.cpu_work, stream.threads) == ("background", 3)
     # Placement is scheduling, not content: it never changes the stage's fingerprint.
     assert forced.fingerprint_config() == stage.fingerprint_config()

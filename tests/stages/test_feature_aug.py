@@ -14,16 +14,15 @@ from hypothesis import strategies as st
 
 from pipeline.codec import native
 from pipeline.codec.quantile import quantize
+from pipeline.fusion import AugmentWhileDequantizing, fuse_dequantize_augment, plan_fusions
+from pipeline.graph import Graph
 from pipeline.ops.batching import Batch
+from pipeline.recipe import recipe_from_dict
 from pipeline.spec import STREAM, FieldSpec, Spec, SplitSpec
-from pipeline.stages.feature_aug import (
-    AugmentWhileDequantizing,
-    FeatureAugment,
-    crop_and_flip,
-    sample_uniforms,
-)
+from pipeline.stages.feature_aug import FeatureAugment, crop_and_flip, sample_uniforms
 from pipeline.stages.quantize import Dequantize, DequantizedStream, quantized_fields
 from pipeline.stream import MapStream, Stream, StreamStats
+from tests.helpers import stage_call
 
 
 def reference(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
@@ -111,7 +110,7 @@ class InMemory(Stream):
 
 def dequantized(source: Stream) -> DequantizedStream:
     stage = Dequantize(input="cache")
-    return stage.run(None, {"input": source}, "deq")
+    return stage.run(None, {"input": source}, stage_call(stage, "deq", input=source.spec))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -129,10 +128,10 @@ def test_fused_with_dequantize_gives_dequantize_then_augment_bit_for_bit(
         pytest.skip("no compiled kernel on this machine")
     stage = FeatureAugment(input="deq", crop_padding=padding, hflip=hflip, splits=("train", "val"))
     deq = dequantized(InMemory(shape, bits))
-    fused = stage.run(None, {"input": deq}, "faug")
-    assert isinstance(fused, AugmentWhileDequantizing)
+    fused = fuse_dequantize_augment(stage, deq.parent, deq)
     # The same stages with something in between: no fusion, the floats are moved after dequantizing.
-    separate = stage.run(None, {"input": MapStream(deq, lambda b, *_: b, deq.spec)}, "faug")
+    separate = stage.run(None, {"input": MapStream(deq, lambda b, *_: b, deq.spec)},
+                         stage_call(stage, "faug", input=deq.spec))
     assert not isinstance(separate, AugmentWhileDequantizing)
     for split in ("train", "val"):
         for epoch in (0, 1):
@@ -148,7 +147,7 @@ def test_fused_with_dequantize_gives_dequantize_then_augment_bit_for_bit(
 def test_fused_stream_books_time_to_both_stages_and_leaves_other_splits_unaugmented() -> None:
     source = InMemory((4, 6, 6), 2)
     deq = dequantized(source)
-    fused = FeatureAugment(input="deq", crop_padding=1, hflip=0.5).run(None, {"input": deq}, "faug")
+    fused = fuse_dequantize_augment(FeatureAugment(input="deq", crop_padding=1, hflip=0.5), source, deq)
     plain = list(dequantized(source).open("val"))
     val = list(fused.open("val"))
     assert all(torch.equal(a["x"], b["x"]) for a, b in zip(val, plain, strict=True))  # train only by default
@@ -158,3 +157,30 @@ def test_fused_stream_books_time_to_both_stages_and_leaves_other_splits_unaugmen
     assert deq.stats.batches == len(val) + len(train) and deq.stats.samples == 2 * (5 + 6 + 7)
     unaugmented = dequantized(source).open("train")
     assert any(not torch.equal(a["x"], b["x"]) for a, b in zip(train, unaugmented, strict=True))
+
+
+def _stage_b(between: bool) -> dict:
+    stages = {
+        "d": {"type": "synthetic"},
+        "img": {"type": "decode", "input": "d", "resolution": 8},
+        "m": {"type": "backbone", "arch": "mobilenet_v2", "num_classes": 4, "width_mult": 0.35,
+              "small_input": True, "resolution": 8},
+        "f": {"type": "frozen_forward", "input": "img", "model": "m", "train_last_blocks": 2},
+        "q": {"type": "quantize", "input": "f", "bits": 2},
+        "deq": {"type": "dequantize", "input": "q"},
+        "aug": {"type": "feature_aug", "input": "mid" if between else "deq"},
+    }
+    if between:
+        stages["mid"] = {"type": "rechunk", "input": "deq", "batch_size": 4}
+    return {"name": "t", "stages": stages}
+
+
+@pytest.mark.parametrize("between", [False, True])
+def test_the_runner_fuses_dequantize_then_feature_aug_only_when_adjacent(between: bool) -> None:
+    recipe = recipe_from_dict(_stage_b(between))
+    fusions = plan_fusions(Graph(recipe), dict(recipe.stages))
+    if between:
+        assert fusions == {}
+    else:
+        assert list(fusions) == ["aug"]
+        assert (fusions["aug"].upstream, fusions["aug"].source) == ("deq", "q")

@@ -165,7 +165,7 @@ def layer_graph(model: nn.Module, classifier: str | None = None) -> LayerGraph:
     gm = trace(model)
     modules = dict(gm.named_modules())
     if classifier is None and hasattr(model, "final_layer_name"):
-        classifier = model.final_layer_name
+        classifier = str(model.final_layer_name)
     g = nx.DiGraph()
     program_order: dict[str, int] = {}
     for i, node in enumerate(gm.graph.nodes):

@@ -26,15 +26,18 @@ from pydantic import Field, model_validator
 
 from ...errors import ModelError, StageError
 from ...lazy import lazy_module
-from ...registry import register
+from ...models.arch import ArchConfig, ModelValue, structure
 from ...spec import MODEL, RESULT, STREAM, Spec
-from ...stage import Stage
+from ...stage import Stage, StageCall
 from ..finetune import Finetune
 from .search import SearchConfig, nsga2, robustness
 
 if TYPE_CHECKING:
     import torch
 
+    from stores.catalog import Entry
+
+    from ...context import RunContext
     from . import fakequant, graph
 else:
     torch = lazy_module("torch")
@@ -79,7 +82,6 @@ def candidate_cuts(lg: graph.LayerGraph, granularity: str) -> dict[int, graph.Cu
     return cuts
 
 
-@register
 class PartitionSearch(Stage):
     """Find the mixed-precision cut: NSGA-II over per-layer bits (fake quantization), then the δ rule."""
 
@@ -125,13 +127,9 @@ class PartitionSearch(Stage):
                             seed=self.seed)
 
     def _graph(self, model: Spec) -> graph.LayerGraph:
-        from ...stages.model import ArchConfig
+        return graph.layer_graph(structure(ArchConfig.of(model)))
 
-        arch = ArchConfig(model.meta["arch"], model.num_classes, model.meta["width_mult"],
-                          model.meta["small_input"], model.meta["resolution"])
-        return graph.layer_graph(arch.build())
-
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data, model = inputs["input"], inputs["model"]
         for split in {self.calibration_split, self.eval_split}:
             field = data.split(split, stage=self.type_name).fields.get("x")
@@ -145,9 +143,9 @@ class PartitionSearch(Stage):
         lg = self._graph(model)  # fails here, before any work, if the model cannot be traced
         cuts = candidate_cuts(lg, self.cut_granularity)
         if not cuts:
-            raise StageError(f"{model.meta['arch']} has no valid {self.cut_granularity} cut below its "
+            raise StageError(f"{model.model.arch} has no valid {self.cut_granularity} cut below its "
                              "classifier")
-        return Spec(RESULT, model.num_classes, meta={"arch": model.meta["arch"], "candidate_cuts": len(cuts),
+        return Spec(RESULT, model.num_classes, meta={"arch": model.model.arch, "candidate_cuts": len(cuts),
                                                      "layers": len(lg.layers)})
 
     def _images(self, stream: Any, split: str, n: int, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,10 +164,12 @@ class PartitionSearch(Stage):
             raise StageError(f"split {split!r} of `{self.input}` is empty")
         return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
-    def build(self, ctx: Any, inputs: dict[str, Any], staging: Path, name: str) -> dict[str, Any]:
-        torch.manual_seed(self.seed)
-        model_value = inputs["model"]
-        net = model_value.build().eval()
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any]:
+        name = call.name
+        model_value: ModelValue = inputs["model"]
+        net = model_value.build(seed=self.seed).eval()  # as if seeded, then constructed
         lg = graph.layer_graph(net)
         cuts = candidate_cuts(lg, self.cut_granularity)
         layers = [layer for layer in lg.layers if layer != lg.classifier]
@@ -214,17 +214,16 @@ class PartitionSearch(Stage):
         return {"cut_layer": payload["cut_layer"], "train_last_blocks": payload["train_last_blocks"],
                 "evaluations": result.evaluations}
 
-    def load(self, ctx: Any, entry: Any, name: str) -> Partition:
+    def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> Partition:
         path = Path(entry.path) / PARTITION_FILE
         try:
             partition = Partition(json.loads(path.read_text()))
         except (OSError, ValueError) as exc:
-            raise ModelError(f"stage {name!r}: cannot read the stored partition {path}: {exc}") from None
-        ctx.progress.log(f"[{name}] {partition.summary()}")
+            raise ModelError(f"stage {call.name!r}: cannot read the stored partition {path}: {exc}") from None
+        ctx.progress.log(f"[{call.name}] {partition.summary()}")
         return partition
 
 
-@register
 class FinetuneMixed(Finetune):
     """``finetune`` with the top in bf16 (fp32 master weights + CPU autocast); fp32 = plain finetune."""
 
@@ -233,21 +232,20 @@ class FinetuneMixed(Finetune):
 
     top_precision: Literal["bf16", "fp32"] = "bf16"
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         spec = super().resolve(inputs, ctx)
         return Spec(RESULT, spec.num_classes, meta={**spec.meta, "top_precision": self.top_precision})
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
         device = ctx.torch_device.type
         if self.top_precision == "bf16" and device != "cpu":
             raise StageError(f"top_precision: bf16 is implemented with CPU autocast; run.device is "
                              f"{ctx.device}")
         with torch.autocast(device, dtype=torch.bfloat16, enabled=self.top_precision == "bf16",
                             cache_enabled=False):
-            metrics = super().run(ctx, inputs, name)
-        stream = inputs["features" if self.mode == "two_stage" else "images"]
-        cut = stream.spec.meta.get("cut") or {}
+            metrics = super().run(ctx, inputs, call)
+        cut = call.inputs["features"].cut if self.mode == "two_stage" else None
+        bottom = (cut.precision if cut is not None else "fp32") if self.mode == "two_stage" else None
         metrics.update(top_precision=self.top_precision, master_weights="fp32",
-                       bottom_precision=cut.get("precision", "fp32") if self.mode == "two_stage"
-                       else self.top_precision)
+                       bottom_precision=bottom or self.top_precision)
         return metrics

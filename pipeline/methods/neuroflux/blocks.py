@@ -13,20 +13,25 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stores.catalog import Catalog
+from stores.catalog import Catalog, Staging
 
+from ...fingerprint import derived_fingerprint
 from ...models.weights import load_weights, save_weights
 from ...stream import Stream
 from .aux import LocalLayer
 from .local import BlockState, train_block
 from .models import LayerNet
 from .partition import Block
-from .spill import Spills, block_output_stream, derived_fingerprint
+from .spill import Spills, block_output_stream
+
+if TYPE_CHECKING:
+    from ...context import RunContext
+    from .stage import NeuroFlux
 
 BLOCK_KIND = "neuroflux-block"
 # What later blocks read: they train on train and validate on val (test is evaluated from images).
@@ -38,8 +43,8 @@ class BlockRun:
 
     def __init__(
         self,
-        stage: Any,
-        ctx: Any,
+        stage: NeuroFlux,
+        ctx: RunContext,
         name: str,
         catalog: Catalog,
         fingerprint: str,
@@ -136,10 +141,9 @@ class BlockRun:
         }
         source = self._input_for(block.index)
         n_train = source.spec.splits["train"].num_samples
-        with self.catalog.stage(fp, BLOCK_KIND, lineage, resume=True) as staging:
-            if staging.existing is not None:  # another run trained it meanwhile
-                self.status[block.index] = "reused"
-                return self._load(staging.existing.path, layers)
+        trained: list[list[dict[str, Any]]] = []
+
+        def build(staging: Staging) -> dict[str, Any]:
             state = BlockState.create(layers, cfg)
             checkpoint = staging.path / "state.pt"
             if checkpoint.exists():
@@ -175,11 +179,18 @@ class BlockRun:
             save_weights(nn.ModuleList(layers), staging.path / "weights.pt", {"block": block.index})
             (staging.path / "history.json").write_text(json.dumps(state.history))
             checkpoint.unlink()
-            staging.commit(
-                {"block": block.index, "layers": list(block.layers), "batch_size": block.batch_size}
-            )
+            trained.append(state.history)
+            return {"block": block.index, "layers": list(block.layers), "batch_size": block.batch_size}
+
+        # The catalog's one look-up-or-build-and-commit sequence, as the runner's: another run may
+        # have trained this block meanwhile, and then its entry is taken instead.
+        built = self.catalog.reuse_or_build(fp, BLOCK_KIND, lineage, build, resume=True)
+        with built.use as entry:
+            if built.reused:
+                self.status[block.index] = "reused"
+                return self._load(entry.path, layers)
         self.status[block.index] = "trained"
-        return state.history
+        return trained[0]
 
     def finish(self) -> None:
         """The last block is trained: the spill it read from is no longer needed."""

@@ -65,7 +65,7 @@ class LayerNet(nn.Module):
         return self.classifier(x)
 
     def _describe(self) -> list[LayerInfo]:
-        rows = []
+        rows: list[tuple[tuple[int, int, int], tuple[int, int, int], int]] = []
         was_training = self.training
         self.eval()
         with torch.no_grad():
@@ -80,7 +80,8 @@ class LayerNet(nn.Module):
                 )
                 y = layer(x)
                 handle.remove()
-                rows.append((tuple(x.shape[1:]), tuple(y.shape[1:]), seen[0]))
+                (ci, hi, wi), (co, ho, wo) = x.shape[1:], y.shape[1:]
+                rows.append(((int(ci), int(hi), int(wi)), (int(co), int(ho), int(wo)), seen[0]))
                 x = y
         self.train(was_training)
         full = self.in_shape[-1]
@@ -104,7 +105,9 @@ def _vgg(
     for item in cfg:
         if item == "M":
             # Fold the pool into the layer before it: it downsamples that layer's output.
-            layers[-1].append(nn.MaxPool2d(kernel_size=2, stride=2))
+            last = layers[-1]
+            assert isinstance(last, nn.Sequential)
+            last.append(nn.MaxPool2d(kernel_size=2, stride=2))
             continue
         width = _scaled(int(item), width_mult)
         layers.append(

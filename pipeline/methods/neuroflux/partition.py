@@ -99,9 +99,9 @@ def partition(
             blocks.append([i])
     out = []
     for k, layers in enumerate(blocks):
-        members = [fits[i] for i in layers]
-        b = min(min(batches[i] for i in layers), block_max_batch(members, budget, cap))
+        member_fits = [fits[i] for i in layers]
+        b = min(min(batches[i] for i in layers), block_max_batch(member_fits, budget, cap))
         out.append(
-            Block(k, tuple(layers), b, tuple(batches[i] for i in layers), int(block_bytes(members, b)))
+            Block(k, tuple(layers), b, tuple(batches[i] for i in layers), int(block_bytes(member_fits, b)))
         )
     return out

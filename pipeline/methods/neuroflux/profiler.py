@@ -88,5 +88,6 @@ def profile_module(
     measured = []
     for b in batches:
         fp = memory.footprint(module, (b, *sample_shape), num_classes=num_classes, optimizer=optimizer)
+        assert fp.total_measured_bytes is not None  # measure=True is footprint()'s default
         measured.append(int(fp.total_measured_bytes))
     return fit_line(name, batches, measured)

@@ -16,16 +16,16 @@ budget, seed, codec) can never read a stale spill.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stores.catalog import Catalog, EntryUse
+from stores.catalog import Catalog, EntryUse, Staging
 from stores.errors import BudgetError
 
-from ...fingerprint import sha256_hex
+from ...codec.features import DequantizedStream, coded_spec, decoded_spec, encoded
+from ...fingerprint import derived_fingerprint
 from ...lazy import lazy_module
 from ...ops.batching import Batch
 from ...ops.cache import StoredStream, write_stream
@@ -54,11 +54,6 @@ class SpillConfig(BaseModel):
     level: int = Field(3, ge=0, le=22)
     chunk_bytes: int = Field(1 << 20, ge=1024, description="target bytes per stored chunk")
     window_chunks: int = Field(4, ge=1, description="shuffle window in chunks")
-
-
-def derived_fingerprint(stage_fingerprint: str, what: str) -> str:
-    """The fingerprint of a sub-entry (a block, a spill) of the stage whose fingerprint is given."""
-    return sha256_hex(f"{stage_fingerprint}/{what}")
 
 
 def block_output_stream(
@@ -122,46 +117,54 @@ class Spills:
     def exists(self, block: int) -> bool:
         return self.catalog.exists(self.fingerprint(block))
 
-    def _quantizer(self) -> Any:
-        from ...stages.quantize import Quantize  # here: pipeline.stages imports this package
-
+    def _bits_for(self, split: str) -> int:
+        """The codec of the quantize stage's defaults: ``bits`` on train, float elsewhere."""
         bits = self.config.bits
-        return Quantize(input="block", bits=bits, eval_bits=32 if bits == 32 else 16)
+        return bits if split == "train" else (32 if bits == 32 else 16)
 
     def write(self, block: int, outputs: Stream, lineage: dict[str, Any], progress: Any = None) -> None:
-        """Store ``outputs`` (the stream after ``block``) unless it is stored; resumes a partial write."""
+        """Store ``outputs`` (the stream after ``block``) unless it is stored; resumes a partial write.
+
+        Goes through the catalog's one look-up-or-build-and-commit sequence, as the runner does; the
+        entry stays held (not evictable) from then until :meth:`drop` or :meth:`close`.
+        """
         fp = self.fingerprint(block)
-        coded = self._quantizer().run(None, {"input": outputs}, f"spill-{block}")
+        spec = coded_spec(outputs.spec, self._bits_for, self.config.bits, 1, stage=f"spill-{block}")
+        coded = encoded(outputs, spec, self._bits_for, 1)
         estimate = sum(s.num_samples * s.sample_bytes() for s in coded.spec.splits.values())
-        with ExitStack() as stack:
-            try:
-                staging = stack.enter_context(
-                    self.catalog.stage(fp, SPILL_KIND, lineage, resume=True, estimate_bytes=estimate)
-                )
-            except BudgetError as exc:
-                raise BudgetError(
-                    f"the spill after block {block} ({estimate / 2**20:.1f} MiB before compression at "
-                    f"spill.bits: {self.config.bits}) does not fit the store budget; fewer bits shrink "
-                    f"it. {exc}",
-                    needed=exc.needed,
-                    available=exc.available,
-                    pinned=exc.pinned,
-                    in_use=exc.in_use,
-                ) from None
-            if staging.existing is None:
-                if staging.resumed:
-                    self.log(f"spill after block {block}: resuming an interrupted write")
-                extra = write_stream(
-                    coded,
-                    staging.path,
-                    chunk_bytes=self.config.chunk_bytes,
-                    compressor=self.config.compressor,
-                    level=self.config.level,
-                    attrs={"lineage": lineage},
-                    progress=progress,
-                    log=self.log,
-                )
-                staging.commit({**extra, "after_block": block})
+
+        def build(staging: Staging) -> dict[str, Any]:
+            if staging.resumed:
+                self.log(f"spill after block {block}: resuming an interrupted write")
+            extra = write_stream(
+                coded,
+                staging.path,
+                chunk_bytes=self.config.chunk_bytes,
+                compressor=self.config.compressor,
+                level=self.config.level,
+                attrs={"lineage": lineage},
+                progress=progress,
+                log=self.log,
+            )
+            return {**extra, "after_block": block}
+
+        try:
+            built = self.catalog.reuse_or_build(fp, SPILL_KIND, lineage, build, resume=True,
+                                                estimate_bytes=estimate)
+        except BudgetError as exc:
+            raise BudgetError(
+                f"the spill after block {block} ({estimate / 2**20:.1f} MiB before compression at "
+                f"spill.bits: {self.config.bits}) does not fit the store budget; fewer bits shrink "
+                f"it. {exc}",
+                needed=exc.needed,
+                available=exc.available,
+                pinned=exc.pinned,
+                in_use=exc.in_use,
+            ) from None
+        old = self._held.pop(block, None)
+        if old is not None:
+            old.release()
+        self._held[block] = built.use
 
     def open(self, block: int) -> Stream:
         """The spill after ``block`` as a float stream; held (not evictable) until :meth:`drop`."""
@@ -175,9 +178,7 @@ class Spills:
             window_chunks=self.config.window_chunks,
         )
         self.sizes[block] = (entry.size_bytes, sum(s.num_samples for s in stored.spec.splits.values()))
-        from ...stages.quantize import Dequantize
-
-        return Dequantize(input="spill").run(None, {"input": stored}, f"spill-{block}")
+        return DequantizedStream(stored, decoded_spec(stored.spec))
 
     def release(self, block: int) -> None:
         held = self._held.pop(block, None)

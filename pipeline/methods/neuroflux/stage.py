@@ -31,14 +31,13 @@ from pydantic import Field, field_validator
 from stores.catalog import Catalog
 
 from ...errors import ModelError, StageError
-from ...fingerprint import canonical_json, is_cacheable, sha256_hex
+from ...fingerprint import derived_fingerprint, is_cacheable, partial_fingerprint
 from ...lazy import lazy_module
 from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk, xy
 from ...ops.prefetch import prefetch
-from ...registry import register
 from ...spec import RESULT, STREAM, Spec
-from ...stage import Stage
+from ...stage import Stage, StageCall
 from ...stream import Stream
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
@@ -53,12 +52,13 @@ from .exit import (
 )
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
 from .profiler import DEFAULT_BATCHES, MemoryFit, profile_module
-from .spill import SpillConfig, Spills, derived_fingerprint
+from .spill import SpillConfig, Spills
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ...context import RunContext
     from . import aux as aux_heads
     from . import blocks as block_runs
     from . import local as local_learning
@@ -142,7 +142,7 @@ class _BudgetedTraining(Stage):
         except ModelError as exc:
             raise StageError(f"arch: {exc}") from None
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
+    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
         return Spec(RESULT, inputs["input"].num_classes, meta={"arch": self.arch})
 
@@ -181,7 +181,6 @@ class _BudgetedTraining(Stage):
         )
 
 
-@register
 class NeuroFlux(_BudgetedTraining):
     """Adaptive local learning under a memory budget with block-wise activation spill (or classic LL)."""
 
@@ -204,10 +203,10 @@ class NeuroFlux(_BudgetedTraining):
     export: bool = Field(True, description="write the compact model to the run's output directory")
 
     @property
-    def aux_kind(self) -> str:
+    def aux_kind(self) -> Literal["adaptive", "classic"]:
         return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
 
-    def training_fingerprint(self, ctx: Any, name: str) -> str | None:
+    def training_fingerprint(self, ctx: RunContext, name: str) -> str | None:
         """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
 
         Choosing or exporting a different exit never changes a trained block, so those settings are
@@ -217,9 +216,7 @@ class NeuroFlux(_BudgetedTraining):
         stage_fp, parent = ctx.fingerprints.get(name, ""), ctx.fingerprints.get(self.input, "")
         if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
             return None
-        config = {k: v for k, v in self.fingerprint_config().items() if k not in EXIT_SETTINGS}
-        payload = {"type": f"{self.type_name}@{self.version}", "config": config, "input": parent}
-        return sha256_hex(canonical_json(payload))
+        return partial_fingerprint(self, parent, EXIT_SETTINGS)
 
     # ------------------------------------------------------------------ plan
     def profile_layers(
@@ -272,7 +269,8 @@ class NeuroFlux(_BudgetedTraining):
         return [Block(0, tuple(range(len(fits))), b, per_layer, int(block_bytes(fits, b)))]
 
     # ------------------------------------------------------------------ run
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
         net, heads, local, fits = self.profile_layers(images.spec)
@@ -390,7 +388,6 @@ class NeuroFlux(_BudgetedTraining):
         return metrics
 
 
-@register
 class Backprop(_BudgetedTraining):
     """The baseline: end-to-end backpropagation with the largest batch that fits the budget."""
 
@@ -409,7 +406,8 @@ class Backprop(_BudgetedTraining):
         )
         return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch}
 
-    def run(self, ctx: Any, inputs: dict[str, Any], name: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
         net = self._net(images.spec)
@@ -437,6 +435,7 @@ class Backprop(_BudgetedTraining):
         out_dir = ctx.stage_dir(name)
         scratch = tempfile.TemporaryDirectory(prefix=f"{name}-ckpt-") if out_dir is None else None
         checkpoints = Path(scratch.name) if scratch is not None else out_dir
+        assert checkpoints is not None
         n_train = images.spec.splits["train"].num_samples
         result = train(
             net,

@@ -5,8 +5,8 @@ pt2e entry points moved to torchao (``torch.ao.quantization.quantize_pt2e`` is g
 and pt2e's X86InductorQuantizer only reaches int8 kernels through ``torch.compile``.
 FX graph-mode static quantization (``prepare_fx`` / ``convert_fx`` with the ``x86``
 backend, fbgemm + oneDNN) still ships and lowers conv/linear (+BN folded, +ReLU fused)
-to ``quantized::conv2d`` int8 kernels directly, with no compiler: measured here 4.7-7x
-faster than fp32 for ResNet-18 / SqueezeNet / MobileNetV2 bottoms. It is deprecated
+to ``quantized::conv2d`` int8 kernels directly, with no compiler, several times faster than
+fp32 for ResNet-18 / SqueezeNet / MobileNetV2 bottoms (benchmarks/bench_int8_bottom). It is deprecated
 upstream, so its warnings are silenced here and every use goes through this module:
 a move to torchao pt2e later is a change in one place.
 

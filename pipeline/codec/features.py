@@ -1,0 +1,137 @@
+"""Feature streams coded for storage and decoded back (Cache & Reuse, Eq. 2 and Eq. 3).
+
+Training splits are coded as bit-packed n-bit codes with a per-sample, per-channel range
+(``lo``, ``scale``); other splits keep float16 (or float32). The quantize and dequantize
+stages are thin wrappers over this module, and so are NeuroFlux's spills, which store a
+block's outputs with the same codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..errors import StageError
+from ..lazy import lazy_module
+from ..ops.batching import Batch
+from ..spec import FieldSpec, Quantization, Spec, SplitSpec
+from ..stream import MapStream, Stream
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import bitpack, native, quantile
+    from .moves import CropFlip
+else:
+    torch = lazy_module("torch")
+    bitpack = lazy_module("pipeline.codec.bitpack")
+    native = lazy_module("pipeline.codec.native")
+    quantile = lazy_module("pipeline.codec.quantile")
+
+FLOAT_BITS = {16: "float16", 32: "float32"}
+
+
+def quantized_fields(shape: tuple[int, ...], bits: int) -> dict[str, FieldSpec]:
+    c = shape[0]
+    n = 1
+    for d in shape:
+        n *= d
+    return {"codes": FieldSpec((bitpack.packed_length(n, bits),), "uint8"), "lo": FieldSpec((c,), "float16"),
+            "scale": FieldSpec((c,), "float16")}
+
+
+def feature_field(spec: Spec, split: str, stage: str) -> FieldSpec:
+    field = spec.split(split, stage=stage).fields.get("x")
+    if field is None or len(field.shape) != 3:
+        raise StageError(f"expected feature maps 'x' of shape (C,H,W) in split {split!r}, found {field}")
+    return field
+
+
+def coded_spec(data: Spec, bits_for: Callable[[str], int], bits: int, k: float, *, stage: str) -> Spec:
+    """The spec of ``data``'s feature maps coded at ``bits_for(split)`` bits per value."""
+    splits = {}
+    for name, s in data.splits.items():
+        field = feature_field(data, name, stage)
+        split_bits = bits_for(name)
+        fields = dict(s.fields)
+        del fields["x"]
+        if split_bits in FLOAT_BITS:
+            fields["x"] = FieldSpec(field.shape, FLOAT_BITS[split_bits])
+        else:
+            fields.update(quantized_fields(field.shape, split_bits))
+        splits[name] = SplitSpec(s.num_samples, fields)
+    feature_shape = next(iter(data.splits.values())).fields["x"].shape
+    return data.with_quantization(splits, Quantization(bits, k, feature_shape))
+
+
+def decoded_spec(data: Spec) -> Spec:
+    """The spec of a coded stream decoded back to float32 maps ``x``."""
+    q = data.quantization
+    if q is None:
+        raise StageError("expected a quantized feature stream (from a quantize stage), "
+                         f"found a stream with fields {sorted(next(iter(data.splits.values())).fields)}")
+    splits = {}
+    for name, s in data.splits.items():
+        fields = {k: v for k, v in s.fields.items() if k not in ("codes", "lo", "scale", "x")}
+        fields["x"] = FieldSpec(q.feature_shape, "float32")
+        splits[name] = SplitSpec(s.num_samples, fields)
+    return data.as_stream(splits)
+
+
+def encoded(parent: Stream, spec: Spec, bits_for: Callable[[str], int], k: float) -> MapStream:
+    """``parent``'s maps coded as ``spec`` (from :func:`coded_spec`) says, batch by batch."""
+
+    def encode(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
+        bits = bits_for(split)
+        out = {key: v for key, v in batch.items() if key != "x"}
+        if bits in FLOAT_BITS:
+            out["x"] = batch["x"].to(getattr(torch, FLOAT_BITS[bits]))
+        else:
+            q = quantile.quantize(batch["x"], bits, k if k < 1 else int(k))
+            out.update(codes=q.codes, lo=q.lo, scale=q.scale)
+        return out
+
+    return MapStream(parent, encode, spec)
+
+
+class DequantizedStream(MapStream):
+    """A coded stream's batches as float32 feature maps ``x``.
+
+    :meth:`decode` can also crop and flip each map while it dequantizes, which is how the
+    runner's dequantize + feature_aug fusion (``pipeline.fusion``) moves the stored codes
+    instead of the floats.
+    """
+
+    def __init__(self, parent: Stream, spec: Spec) -> None:
+        super().__init__(parent, lambda batch, *_: self.decode(batch), spec)
+        q = spec.quantization
+        if q is None:
+            raise StageError("dequantize: its spec carries no quantization")
+        c, h, w = q.feature_shape  # (C, H, W) maps, as quantize required
+        self.shape = (c, h, w)
+        self.bits = q.bits
+
+    def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
+        """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
+
+        ``crop`` moves every map on the way, its padding +0.0. The compiled kernel makes the maps
+        in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give the
+        same bits otherwise.
+        """
+        out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
+        if "codes" in batch:
+            move = None if crop is None else crop.move
+            x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits, self.shape,
+                                        move, threads=torch.get_num_threads())
+            if x is None:
+                q = quantile.QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"],
+                                            bits=self.bits, shape=self.shape)
+                x = quantile.dequantize(q, None if crop is None else crop.source)
+                if crop is not None:
+                    crop.zero_padding(x)
+        elif crop is not None:  # stored as floats: move the (float16) values, then widen them
+            x = crop.zero_padding(quantile.move_planes(batch["x"], crop.source).float())
+        else:
+            x = batch["x"].float()
+        out["x"] = x
+        return out
