@@ -75,9 +75,13 @@ def command() -> str:
     return " ".join([head, *sys.argv[1:]])
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` atomically, stamped with machine, versions and date."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``benchmarks/results/<name>.json`` atomically, stamped with machine, versions and date.
+
+    ``directory`` writes elsewhere instead: a trial run on a busy machine must not replace a committed result.
+    """
+    directory = RESULTS_DIR if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
     record = {
         "name": name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -86,7 +90,7 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
         "command": payload.pop("command", command()),
         **payload,
     }
-    path = RESULTS_DIR / f"{name}.json"
+    path = directory / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
     os.replace(tmp, path)

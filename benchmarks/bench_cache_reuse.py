@@ -70,13 +70,12 @@ from benchmarks._meta import write_result
 from pipeline.codec import native
 from pipeline.context import RunContext
 from pipeline.data.sources import synthetic
-from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
 from pipeline.methods.trainer import TrainConfig, make_optimizer
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import build_backbone, split_at
-from pipeline.openmp import omp_pause_requested
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
+from pipeline.switches import KEEP_HEAP, apply_process_settings
 from stores.catalog import Catalog
 
 JPEG_QUALITY = 90
@@ -363,8 +362,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
 
 def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path, build_dir: Path) -> dict:
     """:func:`measure_cut` in a spawned process, set up as the CLI sets up a run."""
-    if keep_freed_heap_requested():
-        keep_freed_heap()
+    apply_process_settings()
     torch.set_num_threads(2)
     return measure_cut(n, args, images_dir, build_dir)
 
@@ -372,10 +370,7 @@ def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path, bui
 def main() -> None:
     # As the CLI does: the heap keeps freed buffers unless ONDEVICE_TL_KEEP_HEAP=0 (pipeline/heap.py);
     # an opted-out run writes its own result file, so both configurations stay on record.
-    keep_heap = keep_freed_heap_requested() and keep_freed_heap()
-    # Likewise idle OpenMP workers are released before between-steps decoding unless
-    # ONDEVICE_TL_OMP_PAUSE=0 (pipeline/openmp.py); the spawned processes read the same variable.
-    omp_pause = omp_pause_requested()
+    keep_heap = apply_process_settings()[KEEP_HEAP]
     # And cached features are dequantized by the compiled kernel when it can be built here
     # (pipeline/codec/native.py); ONDEVICE_TL_NATIVE=0 measures the torch ops instead.
     kernel = native.kernel() is not None
@@ -429,13 +424,11 @@ def main() -> None:
     path = write_result(
         "cache_reuse_epoch_time"
         + ("" if keep_heap else "_malloc_defaults")
-        + ("" if omp_pause else "_omp_spinning")
         + ("" if kernel else "_torch_dequantize"),
         {
             "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
             "cache build throughput",
             "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
-            + ("" if omp_pause else "ONDEVICE_TL_OMP_PAUSE=0 ")
             + ("" if kernel else "ONDEVICE_TL_NATIVE=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
@@ -473,9 +466,6 @@ def main() -> None:
                 "malloc": "keep_freed_heap (the default)"
                 if keep_heap
                 else "glibc defaults (ONDEVICE_TL_KEEP_HEAP=0)",
-                "openmp_idle_workers": "released before between-steps decoding (the default)"
-                if omp_pause
-                else "left spinning (ONDEVICE_TL_OMP_PAUSE=0)",
                 "dequantize": "compiled kernel, pipeline/codec/native.py (the default)"
                 if kernel
                 else "torch ops (ONDEVICE_TL_NATIVE=0 or no C compiler)",

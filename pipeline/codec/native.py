@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..lazy import lazy_module
-from ..openmp import release_idle_workers
 from ..storepath import user_cache_dir
 from ..switches import switch
 
@@ -190,10 +189,6 @@ def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"move must be three arrays of {n} values (dy, dx, flip), "
                              f"got shapes {[a.shape for a in arrays]}")
     ptrs = [None if a is None else a.ctypes.data for a in arrays]
-    if threads > 1:
-        # torch's OpenMP workers spin for a while after its last parallel op; they would take the
-        # cores this kernel's threads run on (pipeline/openmp.py).
-        release_idle_workers()
     status = fn(codes.data_ptr(), n, row_bytes, bits, c, h, w, lo.data_ptr(), scale.data_ptr(),
                 *ptrs, out.data_ptr(), max(1, int(threads)))
     if status == -1:

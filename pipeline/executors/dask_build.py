@@ -39,10 +39,9 @@ from stores.zarr_entry import ZarrReader
 
 from ..errors import PipelineError
 from ..fingerprint import canonical_json
-from ..heap import ENV as HEAP_ENV
-from ..heap import keep_freed_heap_requested
 from ..ops.cache import ZARR_DIR, spec_to_json
 from ..spec import Spec
+from ..switches import KEEP_HEAP, process_settings
 from .errors import ExecutorError
 from .layout import Layout, prepare_hierarchy, sweep_temp_files
 from .partitions import (
@@ -213,7 +212,7 @@ def build_on_dask(
         zarr_dir=str(zarr_dir.resolve()),
         torch_threads=executor.torch_threads,
         batch_period=batch_period(recipe, input_name),
-        keep_heap=keep_freed_heap_requested(),
+        keep_heap=process_settings()[KEEP_HEAP],
     )
     total = sum(layout.counts.values())
     stats: dict[str, Any] = {
@@ -276,7 +275,7 @@ def build_on_dask(
                     if job.keep_heap and not result["heap_kept"] and not warned_heap:
                         warned_heap = True
                         log(
-                            f"warning: {HEAP_ENV}=1 could not be applied on worker {result['worker']} (it "
+                            f"warning: {KEEP_HEAP}=1 could not be applied on worker {result['worker']} (it "
                             "needs Linux with glibc there); that worker runs with its default allocator"
                         )
                     stats["partitions_computed"] += result["computed_samples"] > 0

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..data.decode import Decoder, InputAugment
 from ..data.sampleset import Images, concat_images
 from ..lazy import lazy_module
-from ..openmp import release_idle_workers
 from ..ops.batching import Batch
 from ..ops.prefetch import on_prefetch_thread, prefetch
 from ..registry import register
@@ -141,8 +140,6 @@ class DatasetStream(Stream):
             for idx, item in ready:
                 t0 = time.perf_counter()
                 if between:
-                    # torch's workers would spin on the cores the decoders are about to use
-                    release_idle_workers()
                     item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
                 x = self.decoder(item)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
