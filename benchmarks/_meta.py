@@ -64,6 +64,9 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        # Other work on the machine when the result was written (1, 5, 15 min): on a shared host, the
+        # difference between a quiet run and a contended one.
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "versions": {name: _version(name) for name in PACKAGES},
     }
 

@@ -12,18 +12,11 @@ Decompression is timed twice: with torch ops (``quantile.dequantize``, what runs
 and with the compiled kernel (``pipeline.codec.native``, what training uses when it can be built),
 which is checked to give the same bits.
 
-The kernel is also set against the torch ops it replaces where training runs it: dequantize plus the
-feature_aug stage's crop and flip (``AugmentWhileDequantizing``), on one training batch of the map shapes
-the Cache & Reuse benchmark caches at its cuts. The two paths alternate within each round (their order
-swapped every round), so a slower spell of a shared machine hits both; the statistic is the median of the
-per-round ratios (torch ops time / kernel time), beside the time saved per map.
-
 Storage is reported per feature value: the packed codes (exactly ``bits`` bits), the per-channel float16
 lo and scale (2 x 16 bits per channel, amortized over H*W values), their sum beside the ideal bits/8,
 and the same whole-batch payload after a lossless pass (numcodecs Zstd, level 3).
 
-Usage: python -m benchmarks.bench_codec [--batch 64] [--repeats 30] [--threads N] [--k 1] [--rounds 15]
-       [--results-dir DIR]
+Usage: python -m benchmarks.bench_codec [--batch 64] [--repeats 30] [--threads N] [--k 1]
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numcodecs
@@ -41,15 +33,10 @@ from benchmarks._meta import write_result
 from pipeline.codec import native
 from pipeline.codec.bitpack import packed_length
 from pipeline.codec.quantile import QuantizedBatch, dequantize, quantize
-from pipeline.stages.feature_aug import CropFlip, sample_uniforms
 
 SHAPE = (96, 14, 14)
 TARGETS_US = {"compress": 50.0, "decompress": 20.0}
 PAPER_US = {"compress": 465.0, "decompress": 30.0, "device": "Jetson Orin NX"}
-# Trained blocks of MobileNetV2 -> the (C, H, W) maps its frozen bottom stores: the Cache & Reuse cuts.
-CUT_SHAPES = {1: (320, 7, 7), 4: (160, 7, 7), 7: (96, 14, 14)}
-TRAIN_BATCH = 32  # the Cache & Reuse benchmark's training batch
-CALLS_PER_ROUND = 20
 
 
 def feature_maps(batch: int, zero_fraction: float, seed: int) -> torch.Tensor:
@@ -91,12 +78,13 @@ def measure(x: torch.Tensor, bits: int, k: float, repeats: int) -> dict[str, Any
     xhat = dequantize(q)
     kernel: dict[str, Any] | None = None
     if native.kernel() is not None:
-        def run_kernel() -> torch.Tensor:
+        def run_kernel() -> torch.Tensor | None:
             threads = torch.get_num_threads()
             return native.dequantize_moved(q.codes, q.lo, q.scale, bits, SHAPE, threads=threads)
 
         us = [t / n * 1e6 for t in timings(run_kernel, repeats)]
-        same = torch.equal(run_kernel().view(torch.int32), xhat.view(torch.int32))
+        kx = run_kernel()
+        same = kx is not None and torch.equal(kx.view(torch.int32), xhat.view(torch.int32))
         kernel = {"min": min(us), "median": statistics.median(us), "same_bits_as_torch_ops": same}
     code_bits = q.codes.numel() * 8 / (n * elements)
     assert q.codes.shape[1] == packed_length(elements, bits)
@@ -123,54 +111,6 @@ def measure(x: torch.Tensor, bits: int, k: float, repeats: int) -> dict[str, Any
     return row
 
 
-def kernel_vs_torch_ops(bits: int, rounds: int, seed: int) -> list[dict[str, Any]]:
-    """Dequantize + crop/flip of one training batch per cut shape: the compiled kernel against the torch ops."""
-    threads = torch.get_num_threads()
-    out = []
-    for trained, shape in CUT_SHAPES.items():
-        c, h, w = shape
-        g = torch.Generator().manual_seed(seed)
-        q = quantize((torch.randn(TRAIN_BATCH, *shape, generator=g) * 2).clamp_(0, 6), bits, 1)
-        ids = torch.arange(TRAIN_BATCH)
-
-        def draw(epoch: int) -> CropFlip:  # a new crop per batch, as every epoch draws one
-            return CropFlip.draw(TRAIN_BATCH, h, w, 1, 0.5, sample_uniforms(ids, seed, epoch, 3))
-
-        def with_kernel(epoch: int) -> torch.Tensor | None:
-            return native.dequantize_moved(q.codes, q.lo, q.scale, bits, shape, draw(epoch).move,
-                                           threads=threads)
-
-        def with_torch_ops(epoch: int) -> torch.Tensor:
-            crop = draw(epoch)
-            return crop.zero_padding(dequantize(q, crop.source))
-
-        same = all(torch.equal(k.view(torch.int32), with_torch_ops(e).view(torch.int32))
-                   for e in range(4) if (k := with_kernel(e)) is not None)
-        paths = {"kernel": with_kernel, "torch_ops": with_torch_ops}
-        for fn in paths.values():  # warm up both
-            for e in range(3):
-                fn(e)
-        ms: dict[str, list[float]] = {name: [] for name in paths}
-        for r in range(rounds):
-            for name in sorted(paths, reverse=bool(r % 2)):
-                t0 = time.perf_counter()
-                for e in range(CALLS_PER_ROUND):
-                    paths[name](r * CALLS_PER_ROUND + e)
-                ms[name].append((time.perf_counter() - t0) / CALLS_PER_ROUND * 1e3)
-        ratios = [t / k for t, k in zip(ms["torch_ops"], ms["kernel"], strict=True)]
-        saved = [(t - k) * 1e3 / TRAIN_BATCH for t, k in zip(ms["torch_ops"], ms["kernel"], strict=True)]
-        out.append({
-            "train_last_blocks": trained, "shape": list(shape), "bits": bits, "batch": TRAIN_BATCH,
-            "kernel_ms_per_batch": statistics.median(ms["kernel"]),
-            "torch_ops_ms_per_batch": statistics.median(ms["torch_ops"]),
-            "torch_ops_over_kernel_median": statistics.median(ratios),
-            "torch_ops_over_kernel_range": [min(ratios), max(ratios)],
-            "saved_us_per_map_median": statistics.median(saved),
-            "same_bits": same,
-        })
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -179,10 +119,6 @@ def main() -> None:
     parser.add_argument("--k", type=float, default=1, help="clipping rank (int >= 1) or fraction (< 1)")
     parser.add_argument("--zero-fraction", type=float, default=0.1, help="fraction of all-zero channels")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=15,
-                        help="alternating rounds of the kernel against the torch ops (0: skip)")
-    parser.add_argument("--results-dir", type=Path, default=None,
-                        help="write codec.json here instead of benchmarks/results (a trial run)")
     parser.add_argument("--extra-k", type=float, nargs="*", default=[2.0, 0.01],
                         help="also time compression (2 bits) at these k, for information")
     args = parser.parse_args()
@@ -201,15 +137,10 @@ def main() -> None:
             extra.append({"k": kk, "bits": 2,
                           "compress_us_per_map": _compress_us(x, 2, kk, max(5, args.repeats // 3))})
 
-    moved: list[dict[str, Any]] = []
-    if args.rounds and native.kernel() is not None:
-        moved = kernel_vs_torch_ops(2, args.rounds, args.seed)
-
     threads = torch.get_num_threads()
     settings = {"batch": args.batch, "shape": list(SHAPE), "dtype": "float32", "threads": threads,
                 "repeats": args.repeats, "k": k, "zero_channel_fraction": args.zero_fraction,
-                "seed": args.seed, "kernel_vs_torch_ops_rounds": args.rounds,
-                "kernel_vs_torch_ops_calls_per_round": CALLS_PER_ROUND,
+                "seed": args.seed,
                 "timing": "min (and median) over repeats of a full-batch call, divided by batch size; "
                           "the machine is shared, so the min is the codec's own cost"}
     print(f"codec: batch {args.batch} x {SHAPE} float32 post-ReLU6 maps, k={k}, {threads} thread(s); "
@@ -238,12 +169,6 @@ def main() -> None:
         c = e["compress_us_per_map"]
         print(f"k={e['k']:g} (topk selection, not covered by the target), {e['bits']} bits: compress "
               f"{c['min']:.1f} ({c['median']:.1f}) us/map")
-    for m in moved:
-        print(f"dequantize + crop/flip, {m['batch']} maps of {tuple(m['shape'])} at {m['bits']} bits: kernel "
-              f"{m['kernel_ms_per_batch']:.2f} ms, torch ops {m['torch_ops_ms_per_batch']:.2f} ms per batch; "
-              f"torch ops / kernel {m['torch_ops_over_kernel_median']:.2f} (median of {args.rounds} rounds, "
-              f"range {m['torch_ops_over_kernel_range'][0]:.2f}-{m['torch_ops_over_kernel_range'][1]:.2f}); "
-              f"saves {m['saved_us_per_map_median']:.1f} us/map; same bits: {m['same_bits']}")
     path = write_result("codec", {
         "settings": settings,
         "targets": {"compress_us_per_map": TARGETS_US["compress"],
@@ -254,8 +179,7 @@ def main() -> None:
         "reference_bytes_per_element": {"float32": 4, "float16": 2},
         "rows": rows,
         "k_sensitivity": extra,
-        "kernel_vs_torch_ops": moved,
-    }, args.results_dir)
+    })
     print(f"wrote {path}")
 
 

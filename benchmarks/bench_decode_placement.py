@@ -75,8 +75,8 @@ def main() -> None:
             runner = Runner(recipe_from_dict(spec), ctx)
             batches = decoded_batches(runner)
             # as the frozen forward runs it: frozen, batch norms folded
-            bottom, _ = split_at(runner.output("model").build(), args.cut)
-            bottom = fold_batch_norms(bottom.requires_grad_(False))
+            frozen, _ = split_at(runner.output("model").build(), args.cut)
+            bottom = fold_batch_norms(frozen.requires_grad_(False))
         total = sum(len(x) for x in batches)
         for r in range(args.rounds):
             order = ["bare", *PLACEMENTS]

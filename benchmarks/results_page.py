@@ -181,6 +181,7 @@ def machine_line(machine: Any) -> str:
         ("platform", ""),
         ("python", "Python "),
         ("torch_threads", "torch threads "),
+        ("load_average", "load average "),
     ):
         if machine.get(key) is not None:
             parts.append(f"{label}{cell(machine[key])}")

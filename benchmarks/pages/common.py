@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import matplotlib
 
@@ -157,11 +157,11 @@ def flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, value)]
 
 
-def list_of_records(value: Any) -> bool:
+def list_of_records(value: Any) -> TypeGuard[list[dict[str, Any]]]:
     return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
-def keyed_records(value: Any) -> bool:
+def keyed_records(value: Any) -> TypeGuard[dict[str, dict[str, Any]]]:
     """A dict of dicts ({"local": {...}, "dask_1x1": {...}}): one record per key, best read as a table."""
     return (
         isinstance(value, dict) and len(value) >= 2 and all(isinstance(v, dict) and v for v in value.values())

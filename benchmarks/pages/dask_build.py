@@ -113,8 +113,8 @@ def render(result: Result, results_dir: Path) -> Rendered:
                 ax.set_ylabel(f"hours ({hours_key})")
                 ax.grid(alpha=0.3)
                 images = extrapolation.get("images")
-                label = f"{num(images)} images" if isinstance(images, int) else "the full dataset"
-                ax.set_title(f"Extrapolated cache build time of {label}", fontsize=10)
+                subject = f"{num(images)} images" if isinstance(images, int) else "the full dataset"
+                ax.set_title(f"Extrapolated cache build time of {subject}", fontsize=10)
                 figures.append(
                     ("extrapolation", "Extrapolated build time vs workers (from measured costs)", fig)
                 )

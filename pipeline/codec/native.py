@@ -1,9 +1,14 @@
 """The one compiled kernel: dequantize + crop/flip of cached feature maps in a single pass.
 
-At one trained block the two-stage step is short (~15 ms for 32 maps of 320x7x7 on a 2-core
-CPU), and the torch ops that turn cached codes into augmented float maps (unpack, gather,
-convert, scale, shift, zero the padding: six passes over the data) cost ~4 ms per 134 maps on
-the training thread. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
+Training from the cache runs on the trainer's critical path every epoch, and where the trained top
+is short (one block) the torch ops that turn cached codes into augmented float maps (unpack,
+gather, convert, scale, shift, zero the padding: several passes over the data) are a visible share
+of the step. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
+
+Kept because it pays where the two-stage bar is tight: ``python -m benchmarks.bench_dequantize_kernel``
+(numbers in benchmarks/README.md, ``dequantize_kernel``) measures it faster than the fused torch ops,
+a saving worth a few percent of a one-block epoch, the cut whose two-stage time was over its bar with
+torch ops (README, Cache & Reuse).
 
 It is plain C (no Python or torch headers), compiled on first use with the machine's C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache folder, keyed by a hash
@@ -181,14 +186,14 @@ def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
                              f"got {t.dtype} {tuple(t.shape)}")
     codes, lo, scale = codes.contiguous(), lo.contiguous(), scale.contiguous()
     out = torch.empty(n, c, h, w)
-    arrays: list[np.ndarray | None] = [None, None, None]
+    ptrs: list[int | None] = [None, None, None]
     if move is not None:
         dtypes = (np.int32, np.int32, np.uint8)
         arrays = [np.ascontiguousarray(a, dtype=t) for a, t in zip(move, dtypes, strict=True)]
         if any(a.shape != (n,) for a in arrays):
             raise ValueError(f"move must be three arrays of {n} values (dy, dx, flip), "
                              f"got shapes {[a.shape for a in arrays]}")
-    ptrs = [None if a is None else a.ctypes.data for a in arrays]
+        ptrs = [a.ctypes.data for a in arrays]  # ``arrays`` keeps them alive through the call
     status = fn(codes.data_ptr(), n, row_bytes, bits, c, h, w, lo.data_ptr(), scale.data_ptr(),
                 *ptrs, out.data_ptr(), max(1, int(threads)))
     if status == -1:
