@@ -97,7 +97,7 @@ def limit_share(row: dict[str, Any], trained: int, samples: int) -> dict[str, An
     path's share of it is what the path adds to the two-stage/limit ratio. Timed in this run, under
     the same load as the paths, faster of two passes.
     """
-    limit = min(steady(compute_limit(trained, samples, BATCH, 4)[0]) for _ in range(2))
+    limit = min(steady(compute_limit(trained, samples, BATCH, 3)[0]) for _ in range(2))
     batches = samples / BATCH
     return {
         "epoch_samples": samples,
