@@ -5,10 +5,11 @@ is short (one block) the torch ops that turn cached codes into augmented float m
 gather, convert, scale, shift, zero the padding: several passes over the data) are a visible share
 of the step. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
 
-Kept because it pays where the two-stage bar is tight: ``python -m benchmarks.bench_dequantize_kernel``
-(numbers in benchmarks/README.md, ``dequantize_kernel``) measures it faster than the fused torch ops,
-a saving worth a few percent of a one-block epoch, the cut whose two-stage time was over its bar with
-torch ops (README, Cache & Reuse).
+Kept because it pays where the two-stage bar is tight, and more on a busy device: it beats the fused
+torch ops at every cut, by a few percent of a one-block epoch on a quiet machine (the cut whose
+two-stage time was over its bar with torch ops, README's Cache & Reuse notes) and by far more when
+other work shares the cores, which slows torch's OpenMP ops much more than the kernel's own threads
+(``python -m benchmarks.bench_dequantize_kernel``; numbers in benchmarks/README.md, ``dequantize_kernel``).
 
 It is plain C (no Python or torch headers), compiled on first use with the machine's C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache folder, keyed by a hash
