@@ -64,6 +64,9 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        # Other work on the machine when the result was written (1, 5, 15 min): on a shared host, the
+        # difference between a quiet run and a contended one.
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "versions": {name: _version(name) for name in PACKAGES},
     }
 
@@ -75,9 +78,13 @@ def command() -> str:
     return " ".join([head, *sys.argv[1:]])
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` atomically, stamped with machine, versions and date."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``benchmarks/results/<name>.json`` atomically, stamped with machine, versions and date.
+
+    ``directory`` writes elsewhere instead: a trial run on a busy machine must not replace a committed result.
+    """
+    directory = RESULTS_DIR if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
     record = {
         "name": name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -86,7 +93,7 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
         "command": payload.pop("command", command()),
         **payload,
     }
-    path = RESULTS_DIR / f"{name}.json"
+    path = directory / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
     os.replace(tmp, path)

@@ -13,9 +13,9 @@ Data: the toolkit's synthetic images, generated once per run and written as JPEG
 files (quality 90, 224x224) to a class-per-folder tree in a temporary directory,
 read back by the ``image_folder`` source. The build then costs what it costs on a
 real dataset: read + decode stored images, frozen forward, quantize, write. (The
-``synthetic`` source generates pixels on demand, about 5 ms per 224px image on
-this CPU, on the same cores as the forward: a build from it measures the
-generator, not the pipeline.)
+``synthetic`` source generates pixels on demand, on the same cores as the
+forward and at a cost comparable to it: a build from it measures the generator,
+not the pipeline.)
 
 Fair comparisons, all in one process and one run:
 - bare forward: the same frozen bottom (same weights), fed the same decoded
@@ -28,9 +28,9 @@ Fair comparisons, all in one process and one run:
   one is the reference. The min-over-epochs ratio is reported beside it. The bar uses
   the median of ``--repeats`` paired repeats, each a compute-limit pass and a two-stage pass
   from the stored cache back to back (which one goes first alternates from pair to pair, so
-  neither always runs in the state the other leaves): this host's speed swings by up to
-  2x between time windows, more than the 10% the bar tests, and a pair taken close
-  together cancels most of that; each pass of a pair runs at least ``--pair-seconds`` of
+  neither always runs in the state the other leaves): a shared host's speed swings between
+  time windows by more than the 10% the bar tests, and a pair taken close together
+  cancels most of that; each pass of a pair runs at least ``--pair-seconds`` of
   epochs after the first (more epochs than ``--epochs`` when an epoch is short). The build
   bar is taken the same way: ``--repeats`` pairs of a bare-forward pass and a fresh build
   (new store) back to back, order alternating, median ratio; these builds are of a separate
@@ -39,13 +39,13 @@ Fair comparisons, all in one process and one run:
 
 Weights are random. Timing can depend on values, not only on shapes: random MobileNetV2 weights
 give features that are almost all zero, so the top's weight gradients are mostly zero, and torch's
-for-loop Adam/AdamW took its square root of the zero second moments 15x slower than of others
-(3-4% of a 1-block epoch). The trainer's optimizer is fused (pipeline/methods/trainer.py), and the
-compute limit uses the same one, on which an epoch over the cached features measured 0.9997x one
-over ``randn`` tensors (10 alternating pairs); the limit keeps its ``randn`` tensors.
+for-loop Adam/AdamW takes the square root of zero second moments far slower than of others (a
+visible share of a 1-block epoch). The trainer's optimizer is fused (pipeline/methods/trainer.py), and
+the compute limit uses the same one, on which an epoch over the cached features takes as long as one
+over ``randn`` tensors (numbers in the README's Cache & Reuse notes); the limit keeps its ``randn`` tensors.
 
 The cached splits are small enough to stay in memory after their first read (the cache stage's
-``keep_in_memory_bytes``, default 128 MiB), which is what a run does by default; each paired repeat
+``keep_in_memory_bytes``), which is what a run does by default; each paired repeat
 also runs the two-stage pass with ``keep_in_memory_bytes: 0`` (every epoch reads, checks and
 decompresses the chunks again), reported beside the bar as ``two_stage_from_storage_*``.
 Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2] [--build-images 1024]
@@ -70,13 +70,12 @@ from benchmarks._meta import write_result
 from pipeline.codec import native
 from pipeline.context import RunContext
 from pipeline.data.sources import synthetic
-from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
 from pipeline.methods.trainer import TrainConfig, make_optimizer
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import build_backbone, split_at
-from pipeline.openmp import omp_pause_requested
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
+from pipeline.switches import KEEP_HEAP, apply_process_settings
 from stores.catalog import Catalog
 
 JPEG_QUALITY = 90
@@ -266,7 +265,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
         # median resists this host's speed swings between time windows.
         paired, limit_s, two_s, storage_paired, storage_s = [], [], [], [], []
         # Each paired pass runs enough epochs for --pair-seconds of steady epochs (at least --epochs):
-        # at 1 block an epoch is ~0.25 s, and two of them are too short a window to time on this host.
+        # at 1 block an epoch is short, and two of them are too short a window to time on a shared host.
         pair_epochs = max(args.epochs, 1 + math.ceil(args.pair_seconds / steady(limit_before)))
         two_only = recipe(args.samples, n, args.bits, pair_epochs, args.batch, images_dir)
         two_only["targets"] = ["two_stage"]
@@ -363,8 +362,7 @@ def measure_cut(n: int, args: argparse.Namespace, images_dir: Path, build_dir: P
 
 def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path, build_dir: Path) -> dict:
     """:func:`measure_cut` in a spawned process, set up as the CLI sets up a run."""
-    if keep_freed_heap_requested():
-        keep_freed_heap()
+    apply_process_settings()
     torch.set_num_threads(2)
     return measure_cut(n, args, images_dir, build_dir)
 
@@ -372,10 +370,7 @@ def measure_cut_isolated(n: int, args: argparse.Namespace, images_dir: Path, bui
 def main() -> None:
     # As the CLI does: the heap keeps freed buffers unless ONDEVICE_TL_KEEP_HEAP=0 (pipeline/heap.py);
     # an opted-out run writes its own result file, so both configurations stay on record.
-    keep_heap = keep_freed_heap_requested() and keep_freed_heap()
-    # Likewise idle OpenMP workers are released before between-steps decoding unless
-    # ONDEVICE_TL_OMP_PAUSE=0 (pipeline/openmp.py); the spawned processes read the same variable.
-    omp_pause = omp_pause_requested()
+    keep_heap = apply_process_settings()[KEEP_HEAP]
     # And cached features are dequantized by the compiled kernel when it can be built here
     # (pipeline/codec/native.py); ONDEVICE_TL_NATIVE=0 measures the torch ops instead.
     kernel = native.kernel() is not None
@@ -403,7 +398,15 @@ def main() -> None:
         default=2.0,
         help="steady-epoch seconds each paired two-stage / compute-limit pass runs at least",
     )
+    ap.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="write the JSON here instead of benchmarks/results (a trial run must not replace a result)",
+    )
     args = ap.parse_args()
+    results_dir = args.results_dir
+    del args.results_dir  # where the result goes is not a setting of the measurement
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cache-reuse-images-") as tmp:
         images_dir = Path(tmp)
@@ -429,13 +432,11 @@ def main() -> None:
     path = write_result(
         "cache_reuse_epoch_time"
         + ("" if keep_heap else "_malloc_defaults")
-        + ("" if omp_pause else "_omp_spinning")
         + ("" if kernel else "_torch_dequantize"),
         {
             "question": "per-epoch time single-stage vs two-stage (from cache) vs compute limit; "
             "cache build throughput",
             "command": ("" if keep_heap else "ONDEVICE_TL_KEEP_HEAP=0 ")
-            + ("" if omp_pause else "ONDEVICE_TL_OMP_PAUSE=0 ")
             + ("" if kernel else "ONDEVICE_TL_NATIVE=0 ")
             + "python -m benchmarks.bench_cache_reuse "
             + " ".join(
@@ -473,9 +474,6 @@ def main() -> None:
                 "malloc": "keep_freed_heap (the default)"
                 if keep_heap
                 else "glibc defaults (ONDEVICE_TL_KEEP_HEAP=0)",
-                "openmp_idle_workers": "released before between-steps decoding (the default)"
-                if omp_pause
-                else "left spinning (ONDEVICE_TL_OMP_PAUSE=0)",
                 "dequantize": "compiled kernel, pipeline/codec/native.py (the default)"
                 if kernel
                 else "torch ops (ONDEVICE_TL_NATIVE=0 or no C compiler)",
@@ -483,6 +481,7 @@ def main() -> None:
             "rows": rows,
             "targets": targets,
         },
+        results_dir,
     )
     print(f"targets: {targets}\nwrote {path}")
 

@@ -78,12 +78,13 @@ def measure(x: torch.Tensor, bits: int, k: float, repeats: int) -> dict[str, Any
     xhat = dequantize(q)
     kernel: dict[str, Any] | None = None
     if native.kernel() is not None:
-        def run_kernel() -> torch.Tensor:
+        def run_kernel() -> torch.Tensor | None:
             threads = torch.get_num_threads()
             return native.dequantize_moved(q.codes, q.lo, q.scale, bits, SHAPE, threads=threads)
 
         us = [t / n * 1e6 for t in timings(run_kernel, repeats)]
-        same = torch.equal(run_kernel().view(torch.int32), xhat.view(torch.int32))
+        kx = run_kernel()
+        same = kx is not None and torch.equal(kx.view(torch.int32), xhat.view(torch.int32))
         kernel = {"min": min(us), "median": statistics.median(us), "same_bits_as_torch_ops": same}
     code_bits = q.codes.numel() * 8 / (n * elements)
     assert q.codes.shape[1] == packed_length(elements, bits)

@@ -31,11 +31,11 @@ from pathlib import Path
 from benchmarks._meta import write_result
 from benchmarks.bench_cache_reuse import bare_forward, decoded_batches, num_images, recipe, write_image_folder
 from pipeline.context import RunContext
-from pipeline.heap import keep_freed_heap, keep_freed_heap_requested
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.zoo import split_at
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
+from pipeline.switches import KEEP_HEAP, apply_process_settings
 from stores.catalog import Catalog
 
 PLACEMENTS = ("background", "between_steps")
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="rounds of (bare forward, one build per placement)")
     ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
-    kept = keep_freed_heap_requested() and keep_freed_heap()
+    kept = apply_process_settings()[KEEP_HEAP]  # as the CLI sets up a run
     rng = random.Random(0)
     runs: dict[str, list] = {"bare_forward_s": [], **{p: [] for p in PLACEMENTS}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +75,8 @@ def main() -> None:
             runner = Runner(recipe_from_dict(spec), ctx)
             batches = decoded_batches(runner)
             # as the frozen forward runs it: frozen, batch norms folded
-            bottom, _ = split_at(runner.output("model").build(), args.cut)
-            bottom = fold_batch_norms(bottom.requires_grad_(False))
+            frozen, _ = split_at(runner.output("model").build(), args.cut)
+            bottom = fold_batch_norms(frozen.requires_grad_(False))
         total = sum(len(x) for x in batches)
         for r in range(args.rounds):
             order = ["bare", *PLACEMENTS]

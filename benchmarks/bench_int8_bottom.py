@@ -46,7 +46,8 @@ CASES: list[tuple[str, dict[str, Any], int, int]] = [
 
 def timed(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float]:
     """Median seconds of ``a(x)`` and ``b(x)``, timed alternately so a load change hits both alike."""
-    ta, tb = [], []
+    ta: list[float] = []
+    tb: list[float] = []
     with torch.inference_mode():
         for _ in range(2):
             a(x), b(x)

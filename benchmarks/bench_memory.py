@@ -99,11 +99,13 @@ def v3_block(t: int) -> nn.Module:
 
 def block_table(steps: int) -> list[dict[str, Any]]:
     shape = (8, 96, 7, 7)
-    rows = []
+    rows: list[dict[str, Any]] = []
 
     def add(block: str, t: int | None, method: str, module: nn.Module) -> None:
         torch.manual_seed(0)
         fp = footprint(module, shape, input_requires_grad=True)
+        if fp.activation_bytes is None or fp.measured_bytes is None:
+            raise SystemExit(f"bench_memory: no footprint for the {block} block ({method})")
         rows.append({"block": block, "expansion": t, "method": method,
                      "activation_bytes": fp.activation_bytes, "measured_bytes": fp.measured_bytes,
                      "measured_over_analytic": fp.measured_bytes / fp.activation_bytes,

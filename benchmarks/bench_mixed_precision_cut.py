@@ -139,7 +139,7 @@ def bench_arch(arch: str, store: Path, seeds: list[int], epochs: int | None, qui
     bf16_acc = {r["train_last_blocks"]: r["bf16_accuracy"] for r in rows}
     # --- the deployed combination at the selected cut, over seeds -------------------------------
     tlb = part["train_last_blocks"]
-    final = {name: [] for name in ("mixed", "bf16_only", "fp32")}
+    final: dict[str, list[Any]] = {name: [] for name in ("mixed", "bf16_only", "fp32")}
     statuses = {}
     for seed in seeds:
         data = yaml.safe_load(RECIPE_FILES[arch].read_text())

@@ -57,7 +57,8 @@ def run_recipe(path: Path, rows: list[str], seed: int, store: Path, threads: int
     for r in rows:
         m = reports[r].metrics
         out[r] = {k: m.get(k) for k in KEEP if k in m}
-        out[r]["lr"] = recipe.stages[r].train.lr
+        stage: Any = recipe.stages[r]  # a finetune stage (ROWS): it has a train config
+        out[r]["lr"] = stage.train.lr
     return out, time.perf_counter() - start
 
 

@@ -188,7 +188,9 @@ def main() -> None:
             it = stream.open("train", epoch=epoch_no, shuffle=True, seed=seed)
             next(it)
             seconds = time.perf_counter() - t0
-            it.close()
+            close = getattr(it, "close", None)  # a generator: close it, its reader stops now
+            if close is not None:
+                close()
             return seconds
 
         reading_on, cold = throttled(args.depth), throttled(args.depth)

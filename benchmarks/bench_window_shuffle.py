@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,7 +118,8 @@ def split_order(labels: np.ndarray) -> np.ndarray:
         {"train": source}, classes=None, per_class=None, val_fraction=0.0, test_fraction=0.0, seed=0,
         use_official_test=False,
     )["train"]
-    return np.asarray(train.indices)
+    subset: Any = train  # the split's subset of the dataset: it has the indices
+    return np.asarray(subset.indices)
 
 
 def main() -> None:

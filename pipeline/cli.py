@@ -22,9 +22,7 @@ from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
 from .errors import PipelineError, missing_dependency
-from .heap import ENV as HEAP_ENV
-from .heap import keep_freed_heap, keep_freed_heap_requested
-from .switches import check_switches
+from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -254,14 +252,13 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        keep_heap = keep_freed_heap_requested()
         check_switches()  # read again where each applies; a bad value is named before any work
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Before any torch work. Only a user who asked for it explicitly hears that it cannot apply.
-    if keep_heap and not keep_freed_heap() and os.environ.get(HEAP_ENV) == "1":
-        print(f"warning: {HEAP_ENV}=1 needs Linux with glibc; ignored", file=sys.stderr)
+    if not apply_process_settings()[KEEP_HEAP] and os.environ.get(KEEP_HEAP) == "1":
+        print(f"warning: {KEEP_HEAP}=1 needs Linux with glibc; ignored", file=sys.stderr)
     try:
         if args.command not in RECIPE_ONLY_COMMANDS:
             _check_runtime()

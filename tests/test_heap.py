@@ -56,3 +56,22 @@ def test_a_bad_setting_is_named_before_any_work() -> None:
     assert out.returncode == 2
     assert "ONDEVICE_TL_KEEP_HEAP must be 1" in out.stderr and "'yes'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# A Dask worker applies the client's settings, whatever its own environment says.
+WORKER_SCRIPT = """
+from pipeline.heap import heap_kept
+from pipeline.switches import KEEP_HEAP, apply_process_settings
+print(apply_process_settings({KEEP_HEAP: False})[KEEP_HEAP], heap_kept())
+print(apply_process_settings({KEEP_HEAP: True})[KEEP_HEAP], heap_kept())
+print(apply_process_settings({KEEP_HEAP: True})[KEEP_HEAP], heap_kept())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_explicit_settings_override_the_environment_and_applying_twice_is_harmless() -> None:
+    env = {**os.environ, "ONDEVICE_TL_KEEP_HEAP": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    assert out.stdout.split("\n")[:3] == ["False False", "True True", "True True"]

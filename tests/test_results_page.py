@@ -11,7 +11,8 @@ import matplotlib.image
 import pytest
 
 from benchmarks import results_page
-from benchmarks.results_page import main, nbytes, pct, sig
+from benchmarks.pages.common import nbytes, pct, sig
+from benchmarks.results_page import main, renderers
 
 REPO_RESULTS = Path(results_page.__file__).resolve().parent / "results"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -184,3 +185,27 @@ def test_number_formatting() -> None:
     assert nbytes(19928276) == "19.0 MiB"
     assert nbytes(512) == "512 B"
     assert pct(0.4549763) == "45.5%"
+
+
+def test_each_benchmark_renders_its_own_section_found_by_discovery() -> None:
+    found = renderers()
+    # One module per benchmark in benchmarks.pages, each naming the results it renders.
+    for name in ("cache_reuse_epoch_time", "cache_reuse_epoch_time_malloc_defaults", "codec", "neuroflux",
+                 "prefetch_sdcard", "prefetch_sdcard_hdf5", "mixed_precision_cut", "openmp_spin"):
+        assert name in found, name
+    assert found["prefetch_sdcard"] is found["prefetch_sdcard_hdf5"]
+    assert found["codec"].__module__ == "benchmarks.pages.codec"
+    assert "neuroflux_spill_test" not in found  # unknown results get the generic section
+
+
+def test_a_record_whose_script_was_removed_is_not_offered_as_a_rerun(built: tuple[Path, Path]) -> None:
+    _, output = built
+    text = output.read_text()
+    if not (REPO_RESULTS / "openmp_spin.json").exists():
+        pytest.skip("no openmp_spin result committed")
+    regenerate = text.split("## Regenerate")[1].split("\n## ")[0]
+    assert "bench_openmp_spin" not in regenerate
+    assert "# (a record only: its script was removed)" in regenerate
+    section = text.split("\n## openmp_spin\n", 1)[1].split("\n## ", 1)[0]
+    assert "Switch removed because of this result" in section
+    assert "`python -m benchmarks.bench_openmp_spin --batches 8 --repeats 6`" in section  # provenance stays

@@ -1,9 +1,15 @@
 """The one compiled kernel: dequantize + crop/flip of cached feature maps in a single pass.
 
-At one trained block the two-stage step is short (~15 ms for 32 maps of 320x7x7 on a 2-core
-CPU), and the torch ops that turn cached codes into augmented float maps (unpack, gather,
-convert, scale, shift, zero the padding: six passes over the data) cost ~4 ms per 134 maps on
-the training thread. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
+Training from the cache runs on the trainer's critical path every epoch, and where the trained top
+is short (one block) the torch ops that turn cached codes into augmented float maps (unpack,
+gather, convert, scale, shift, zero the padding: several passes over the data) are a visible share
+of the step. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
+
+Kept because it pays where the two-stage bar is tight, and more on a busy device: it beats the fused
+torch ops at every cut, by a few percent of a one-block epoch on a quiet machine (the cut whose
+two-stage time was over its bar with torch ops, README's Cache & Reuse notes) and by far more when
+other work shares the cores, which slows torch's OpenMP ops much more than the kernel's own threads
+(``python -m benchmarks.bench_dequantize_kernel``; numbers in benchmarks/README.md, ``dequantize_kernel``).
 
 It is plain C (no Python or torch headers), compiled on first use with the machine's C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache folder, keyed by a hash
@@ -31,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..lazy import lazy_module
-from ..openmp import release_idle_workers
 from ..storepath import user_cache_dir
 from ..switches import switch
 
@@ -182,18 +187,14 @@ def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
                              f"got {t.dtype} {tuple(t.shape)}")
     codes, lo, scale = codes.contiguous(), lo.contiguous(), scale.contiguous()
     out = torch.empty(n, c, h, w)
-    arrays: list[np.ndarray | None] = [None, None, None]
+    ptrs: list[int | None] = [None, None, None]
     if move is not None:
         dtypes = (np.int32, np.int32, np.uint8)
         arrays = [np.ascontiguousarray(a, dtype=t) for a, t in zip(move, dtypes, strict=True)]
         if any(a.shape != (n,) for a in arrays):
             raise ValueError(f"move must be three arrays of {n} values (dy, dx, flip), "
                              f"got shapes {[a.shape for a in arrays]}")
-    ptrs = [None if a is None else a.ctypes.data for a in arrays]
-    if threads > 1:
-        # torch's OpenMP workers spin for a while after its last parallel op; they would take the
-        # cores this kernel's threads run on (pipeline/openmp.py).
-        release_idle_workers()
+        ptrs = [a.ctypes.data for a in arrays]  # ``arrays`` keeps them alive through the call
     status = fn(codes.data_ptr(), n, row_bytes, bits, c, h, w, lo.data_ptr(), scale.data_ptr(),
                 *ptrs, out.data_ptr(), max(1, int(threads)))
     if status == -1:

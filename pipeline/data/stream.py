@@ -15,7 +15,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..lazy import lazy_module
-from ..openmp import release_idle_workers
 from ..ops.batching import Batch
 from ..ops.prefetch import on_prefetch_thread, prefetch
 from ..spec import Spec
@@ -139,8 +138,6 @@ class DatasetStream(Stream):
             for idx, item in ready:
                 t0 = time.perf_counter()
                 if between:
-                    # torch's workers would spin on the cores the decoders are about to use
-                    release_idle_workers()
                     item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
                 x = self.decoder(item)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader

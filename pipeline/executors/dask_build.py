@@ -40,9 +40,8 @@ from stores.zarr_part import missing_chunk_files, prepare_hierarchy, sweep_temp_
 
 from ..errors import PipelineError
 from ..fingerprint import canonical_json
-from ..heap import ENV as HEAP_ENV
-from ..heap import keep_freed_heap_requested
 from ..spec import Spec, spec_to_json
+from ..switches import KEEP_HEAP, process_settings
 from .errors import ExecutorError
 from .partitions import (
     Partition,
@@ -199,7 +198,7 @@ def build_on_dask(
         zarr_dir=str(zarr_dir.resolve()),
         torch_threads=executor.torch_threads,
         batch_period=batch_period(recipe, input_name),
-        keep_heap=keep_freed_heap_requested(),
+        keep_heap=process_settings()[KEEP_HEAP],
     )
     total = sum(layout.counts.values())
     stats: dict[str, Any] = {
@@ -262,7 +261,7 @@ def build_on_dask(
                     if job.keep_heap and not result["heap_kept"] and not warned_heap:
                         warned_heap = True
                         log(
-                            f"warning: {HEAP_ENV}=1 could not be applied on worker {result['worker']} (it "
+                            f"warning: {KEEP_HEAP}=1 could not be applied on worker {result['worker']} (it "
                             "needs Linux with glibc there); that worker runs with its default allocator"
                         )
                     stats["partitions_computed"] += result["computed_samples"] > 0

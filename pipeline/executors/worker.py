@@ -29,9 +29,10 @@ from stores.zarr_format import META
 from stores.zarr_part import ZarrPartWriter, kept_chunks
 
 from ..fingerprint import canonical_json, is_cacheable
-from ..heap import heap_kept, keep_freed_heap
+from ..heap import heap_kept
 from ..spec import spec_to_json
 from ..stream import Stream, samples_from
+from ..switches import KEEP_HEAP, apply_process_settings
 from .errors import ExecutorError, WorkerStoreError
 from .partitions import Partition
 
@@ -158,10 +159,9 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
             "Workers write their chunks straight into the store, so every worker must see the store at "
             "the same path as the client (a shared or network filesystem)"
         )
-    if job.keep_heap:
-        # Here, not where the upstream graph is built: a worker may reuse a graph built for an
-        # earlier job (same recipe and store) that did not ask for it. Idempotent.
-        keep_freed_heap()
+    # The client's process-wide settings, here, not where the upstream graph is built: a worker may
+    # reuse a graph built for an earlier job (same recipe and store) that did not ask for them. Idempotent.
+    apply_process_settings({KEEP_HEAP: job.keep_heap})
     kept = kept_chunks(zarr_dir, part.split, part.first_chunk, part.stop_chunk)
     result = {
         "split": part.split,

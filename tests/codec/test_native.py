@@ -41,7 +41,8 @@ def torch_reference(q: QuantizedBatch, crop: CropFlip | None) -> torch.Tensor:
     return crop.zero_padding(dequantize(q, crop.source))
 
 
-def bits_of(x: torch.Tensor) -> torch.Tensor:
+def bits_of(x: torch.Tensor | None) -> torch.Tensor:
+    assert x is not None, "the kernel gave no result: it was not built"
     return x.contiguous().view(torch.int32)
 
 
@@ -91,6 +92,7 @@ def test_padding_is_positive_zero_next_to_inf_and_nan() -> None:
     lo[0, 0], lo[1, 1] = float("inf"), float("nan")
     crop = CropFlip.draw(4, 5, 5, 2, 0.5, np.array([[0.0, 0.0, 0.9]] * 4))  # dy = dx = -2
     got = native.dequantize_moved(q.codes, lo, q.scale, 2, (3, 5, 5), crop.move)
+    assert got is not None
     assert torch.equal(bits_of(got[:, :, :2, :]), torch.zeros(4, 3, 2, 5, dtype=torch.int32))
     assert torch.isinf(got[0, 0, 2:, 2:]).all() and torch.isnan(got[1, 1, 2:, 2:]).all()
 
