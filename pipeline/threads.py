@@ -335,6 +335,7 @@ class ThreadPolicy:
     cores: int
     log: Callable[[str], None] | None = None
     tuning: Tuning = field(default_factory=Tuning)
+    clock: Callable[[], float] = time.perf_counter
 
     @property
     def adaptive(self) -> bool:
@@ -348,7 +349,7 @@ class ThreadPolicy:
             return StepPacer(None)
         controller = ThreadController(top=self.cores, start=torch.get_num_threads(),
                                       apply=torch.set_num_threads, tuning=self.tuning, report=self.log)
-        return StepPacer(controller)
+        return StepPacer(controller, self.clock)
 
 
 _installed: ThreadPolicy | None = None
