@@ -187,6 +187,7 @@ class ThreadController:
     apply: Callable[[int], None]
     tuning: Tuning = field(default_factory=Tuning)
     report: Callable[[str], None] | None = None  # told of each count kept (not of lost probes)
+    probe_wait: int | None = None  # windows before the first probe up (default: after the first window)
     changes: list[tuple[int, int, str]] = field(default_factory=list)  # every switch: (step, threads, why)
 
     def __post_init__(self) -> None:
@@ -200,9 +201,17 @@ class ThreadController:
         self._recent: dict[int, deque[float]] = {}
         self._slow_run = 0
         self._explored_down = False
-        self._up_wait = self.tuning.probe_every
-        self._next_up = 1  # a fresh loop knows nothing of the counts above: probe after one window
+        # A loop that knows nothing of the counts above probes after one window; one that follows a
+        # loop which kept fewer threads waits as long as that loop would have (the load is likely
+        # still there: probing at once would pay again for what the last loop learnt).
+        self._up_wait = self.probe_wait or self.tuning.probe_every
+        self._next_up = self.probe_wait or 1
         self._trial: _Trial | None = None
+
+    @property
+    def up_wait(self) -> int:
+        """Windows this controller now waits between probes up (grows while probes lose)."""
+        return self._up_wait
 
     # -- feeding
     def observe(self, seconds_per_sample: float) -> None:
@@ -336,6 +345,7 @@ class ThreadPolicy:
     log: Callable[[str], None] | None = None
     tuning: Tuning = field(default_factory=Tuning)
     clock: Callable[[], float] = time.perf_counter
+    _last: ThreadController | None = field(default=None, repr=False)  # the latest loop's controller
 
     @property
     def adaptive(self) -> bool:
@@ -347,8 +357,12 @@ class ThreadPolicy:
     def pacer(self) -> StepPacer:
         if not self.adaptive:
             return StepPacer(None)
+        last = self._last
+        wait = last.up_wait if last is not None and last.threads < last.ladder[-1] else None
         controller = ThreadController(top=self.cores, start=torch.get_num_threads(),
-                                      apply=torch.set_num_threads, tuning=self.tuning, report=self.log)
+                                      apply=torch.set_num_threads, tuning=self.tuning, report=self.log,
+                                      probe_wait=wait)
+        self._last = controller
         return StepPacer(controller, self.clock)
 
 

@@ -295,6 +295,27 @@ def test_a_fixed_count_never_changes(torch_threads: list[int]) -> None:
     assert torch_threads == [2, 1]
 
 
+def test_a_loop_after_one_that_kept_fewer_threads_waits_before_probing(torch_threads: list[int]) -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    policy = ThreadPolicy("auto", 2)
+    first = policy.pacer().controller
+    assert first is not None and first.probe_wait is None
+    for _ in range(400):
+        first.observe(BUSY[first.threads])
+    assert first.threads == 1
+    second = policy.pacer().controller
+    assert second is not None and second.threads == 1
+    assert second.probe_wait == first.up_wait > first.tuning.probe_every
+    for _ in range(second.tuning.window * (second.probe_wait - 1)):
+        second.observe(BUSY[second.threads])
+    assert second.changes == []  # no probe up before the wait the last loop had reached
+    for _ in range(second.tuning.window):
+        second.observe(BUSY[second.threads])
+    assert "probe" in second.changes[0][2]
+
+
 def test_no_policy_installed_leaves_threads_alone(torch_threads: list[int]) -> None:
     import torch
 
