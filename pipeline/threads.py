@@ -42,12 +42,29 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 # ------------------------------------------------------------------------------------- cores
-def affinity_cores() -> int | None:
-    """CPUs this process may run on (its affinity mask); None where the OS has no such call (macOS)."""
+CPU_SYSFS = Path("/sys/devices/system/cpu")
+
+
+def affinity_cores(sysfs: Path = CPU_SYSFS) -> int | None:
+    """Physical cores this process may run on: the CPUs of its affinity mask, hyperthread siblings
+    counted once (two threads on one core's siblings share its arithmetic units, so compute-bound
+    torch gains nothing from the second, which is also why torch's own default counts physical
+    cores). None where the OS has no affinity call (macOS)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):
         return None
+    return physical_cores(cpus, sysfs)
+
+
+def physical_cores(cpus: set[int], sysfs: Path = CPU_SYSFS) -> int:
+    """How many distinct cores ``cpus`` lie on, from sysfs's sibling lists (each CPU its own core when
+    sysfs does not say)."""
+    cores = set()
+    for cpu in cpus:
+        text = _read(sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list")
+        cores.add(text.strip() if text and text.strip() else f"cpu{cpu}")
+    return len(cores)
 
 
 def parse_cpu_max(text: str) -> float | None:
@@ -115,7 +132,8 @@ def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) 
 
 def available_cores(affinity: int | None = None, cpu_limit: float | None = None, *,
                     detect: bool = True) -> int:
-    """Threads worth starting with: the affinity mask's CPUs, capped by the cgroup quota (rounded up).
+    """Threads worth starting with: the affinity mask's physical cores, capped by the cgroup quota
+    (rounded up) and by ``OMP_NUM_THREADS`` where set.
 
     Rounded up because a fractional quota still lets that many threads run part of each period;
     where the extra thread costs more than it gives, the controller finds that out and drops it.
@@ -127,6 +145,8 @@ def available_cores(affinity: int | None = None, cpu_limit: float | None = None,
     cores = affinity or os.cpu_count() or 1
     if cpu_limit is not None:
         cores = min(cores, max(1, math.ceil(cpu_limit - 1e-9)))
+    if detect and (env := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) >= 1:
+        cores = min(cores, int(env))  # the user's own cap, as torch's default honours it
     return max(1, cores)
 
 

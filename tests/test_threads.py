@@ -30,6 +30,7 @@ from pipeline.threads import (
     cgroup_cpu_limit,
     parse_cfs,
     parse_cpu_max,
+    physical_cores,
     rungs,
 )
 
@@ -96,6 +97,24 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path: Path) -> None:
     assert cgroup_cpu_limit(unlimited, root2) is None
     assert cgroup_cpu_limit(tmp_path / "missing", root2) is None  # not Linux: no limit known
     assert available_cores(affinity=4, cpu_limit=None, detect=False) == 4
+
+
+def test_hyperthread_siblings_count_once(tmp_path: Path) -> None:
+    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "thread_siblings_list").write_text(siblings + "\n")
+    assert physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert physical_cores({0, 2}, tmp_path) == 1  # one core's two hyperthreads
+    assert physical_cores({0, 1}, tmp_path) == 2
+    assert physical_cores({5, 6}, tmp_path) == 2  # no topology known: each CPU its own core
+
+
+def test_omp_num_threads_caps_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert available_cores(affinity=4) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")  # not a count: ignored, as torch ignores it
+    assert available_cores(affinity=1) == 1
 
 
 def test_rungs_cover_small_machines_and_thin_out_on_large() -> None:
