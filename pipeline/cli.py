@@ -179,11 +179,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import torch
-
     from .recipe import load_recipe
     from .report import write_run_outputs
     from .runner import Runner
+    from .threads import install as install_threads
+    from .threads import uninstall as uninstall_threads
 
     recipe = load_recipe(args.recipe, args.overrides)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -191,11 +191,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     output.mkdir(parents=True, exist_ok=True)
     (output / "metrics.jsonl").write_text("")
     ctx = _context(args, recipe, output=output, quiet=args.quiet)
-    if recipe.run.threads:
-        torch.set_num_threads(recipe.run.threads)
+    # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
+    # then adapted by the training loops (pipeline/threads.py).
+    install_threads(recipe.run.threads, log=ctx.progress.log)
     start = time.perf_counter()
     runner = Runner(recipe, ctx)
-    reports = runner.run()
+    try:
+        reports = runner.run()
+    finally:
+        uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own recipe
     seconds = time.perf_counter() - start
     summary = write_run_outputs(output, recipe, runner, reports, seconds)
     print(summary["summary_line"])

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from .errors import MissingPathError, RecipeError, did_you_mean
@@ -35,7 +35,21 @@ class StoreConfig(BaseModel):
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     device: str = "cpu"
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: torch's choice")
+    threads: int | Literal["auto"] = Field(
+        "auto",
+        description="torch intra-op threads: auto (the cores this process may use, adapted while training "
+        "when other work slows the steps down) or a fixed count >= 1",
+    )
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> int | Literal["auto"]:
+        # One message for every wrong value: pydantic's union errors would list each member's.
+        if value == "auto":
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise ValueError("expected auto or an int >= 1 (a fixed number of threads)")
 
 
 class ExecutorConfig(BaseModel):

@@ -21,6 +21,7 @@ from ..errors import DataError, ModelError
 from ..lazy import lazy_module
 from ..models.weights import save_weights
 from ..ops.prefetch import EpochPrefetch
+from ..threads import StepPacer, step_pacer
 
 if TYPE_CHECKING:
     import torch
@@ -139,10 +140,12 @@ class _Epoch:
 
 def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer, params: list[nn.Parameter],
                  cfg: TrainConfig, epoch: int, steps_per_epoch: int | None,
-                 progress: Callable[[dict[str, Any]], None] | None) -> _Epoch:
+                 progress: Callable[[dict[str, Any]], None] | None, pace: StepPacer | None = None) -> _Epoch:
     device = _device(model)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     ep = _Epoch(lr=cfg.lr)
+    pace = pace or StepPacer(None)
+    pace.start()
     for step, (x, y) in enumerate(batches):
         frac = step / steps_per_epoch if steps_per_epoch else 0.5
         ep.lr = cfg.lr_at(epoch + min(frac, 1.0))
@@ -168,6 +171,7 @@ def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer,
         ep.correct += int((logits.detach().argmax(1) == y).sum())
         ep.samples += len(y)
         ep.steps = step + 1
+        pace.step(len(y))  # run.threads: auto adapts the thread count here, between steps
         if progress is not None:
             progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": value, "lr": ep.lr})
     if ep.samples == 0:
@@ -205,6 +209,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
         checkpoint_dir = Path(checkpoint_dir)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
     opt = make_optimizer(params, cfg)
+    pace = step_pacer()  # one per loop: step times of different models do not compare
     result = TrainResult()
     t_start = time.perf_counter()
     ahead = EpochPrefetch(train_batches, cfg.epochs, read_ahead, name="train-batches") if read_ahead else None
@@ -218,7 +223,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
             t0 = time.perf_counter()
             batches = ahead.epoch(epoch) if ahead is not None else train_batches(epoch)
             ep = _train_epoch(model, batches, opt, params, cfg, epoch,
-                              steps_per_epoch or _steps_hint(batches), progress)
+                              steps_per_epoch or _steps_hint(batches), progress, pace)
             steps_per_epoch = steps_per_epoch or ep.steps
             record: dict[str, Any] = {
                 "epoch": epoch, "train_loss": ep.loss_sum / ep.samples, "train_acc": ep.correct / ep.samples,
