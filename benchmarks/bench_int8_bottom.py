@@ -26,8 +26,8 @@ import torch
 
 from benchmarks._meta import write_result
 from pipeline.context import RunContext
-from pipeline.models.int8 import int8_bottom, int8_support
 from pipeline.models.fold import fold_batch_norms
+from pipeline.models.int8 import int8_bottom, int8_support
 from pipeline.models.zoo import build_backbone, split_at
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner

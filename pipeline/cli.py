@@ -113,6 +113,7 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
     from stores.catalog import Catalog
 
     from .context import RunContext
+    from .executors import executor_for
     from .progress import Progress
     from .storepath import resolve_store
 
@@ -127,6 +128,7 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
         recipe_path=recipe.source,
         progress=Progress(quiet=quiet),
         recipe=recipe,
+        executor=executor_for(recipe),
     )
 
 

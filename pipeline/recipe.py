@@ -104,6 +104,13 @@ class ExecutorConfig(BaseModel):
 
 class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<recipe>") -> Recipe:
+        """:func:`recipe_from_dict` reached through a recipe's class: code below the config layer (a
+        Dask worker) re-creates a recipe it was handed without importing this module."""
+        return recipe_from_dict(data, source=source)
+
     name: str
     description: str = ""
     seed: int = 0

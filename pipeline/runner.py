@@ -65,10 +65,13 @@ class Runner:
     def __init__(self, recipe: Recipe, ctx: RunContext) -> None:
         self.recipe = recipe
         self.ctx = ctx
-        if ctx.executor is None:  # where cache entries are built when not here (stages only see ctx.executor)
-            from .executors import executor_for
-
-            ctx.executor = executor_for(recipe)
+        if ctx.executor is None and recipe.executor.type != "local":
+            # The caller picks the executor (the CLI does): the runner never imports one, since an
+            # executor's workers run runners themselves.
+            raise StageError(
+                f"{recipe.source}: executor.type is {recipe.executor.type!r} but the run context has no "
+                "executor; pass RunContext(executor=pipeline.executors.executor_for(recipe))"
+            )
         self.graph = Graph(recipe)
         self.specs: dict[str, Spec] = {}
         self.fingerprints: dict[str, str] = {}

@@ -29,7 +29,7 @@ from distributed import Client
 
 from pipeline.context import RunContext
 from pipeline.errors import RecipeError, StageError
-from pipeline.executors import ExecutorError, WorkerStoreError
+from pipeline.executors import ExecutorError, WorkerStoreError, executor_for
 from pipeline.executors.dask_build import start_local_cluster
 from pipeline.executors.partitions import (
     PARTITIONS_PER_THREAD,
@@ -88,7 +88,9 @@ def dask_executor(address: str, **extra: Any) -> dict[str, Any]:
 
 def run(recipe: Recipe, store: Path) -> tuple[Runner, str]:
     """Run ``recipe`` into ``store`` in this process; (runner, the cache stage's fingerprint)."""
-    runner = Runner(recipe, RunContext(catalog=Catalog(store), recipe_name=recipe.name, recipe=recipe))
+    runner = Runner(recipe, RunContext(
+        catalog=Catalog(store), recipe_name=recipe.name, recipe=recipe, executor=executor_for(recipe)
+    ))
     runner.run()
     return runner, runner.fingerprints["cache"]
 
@@ -250,6 +252,7 @@ def test_worker_without_the_store_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "not-mounted" / "staging" / "x" / "data.zarr"
     job = BuildJob(
         recipe=recipe_dict(),
+        recipe_type=Recipe,
         source="r.yaml",
         store=str(tmp_path / "not-mounted"),
         stage="cache",
@@ -281,6 +284,12 @@ def test_executor_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(
         StageError, match="stages.cache .*format: hdf5 cannot be built with executor.type: dask"
     ):
+        Runner(
+            recipe, RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe, executor=executor_for(recipe))
+        )
+    # A distributed recipe needs the executor its caller picked; the runner never imports one.
+    recipe = recipe_from_dict(recipe_dict({"type": "dask", "workers": 2}))
+    with pytest.raises(StageError, match="executor.type is 'dask' but the run context has no executor"):
         Runner(recipe, RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe))
 
 

@@ -6,8 +6,8 @@ zarr metadata (:func:`stores.zarr_part.prepare_hierarchy`), cuts each split into
 chunk-aligned ``partitions``, and every worker re-creates the upstream stream from the
 recipe and writes its own chunks in place (``worker``). Only the client commits the entry.
 
-Stages never import this package: the runner hands them a :class:`~pipeline.context.CacheExecutor`
-(:func:`executor_for`) in ``ctx.executor``.
+Stages never import this package: whoever makes the run context (the CLI) hands them a
+:class:`~pipeline.context.CacheExecutor` (:func:`executor_for`) in ``ctx.executor``.
 """
 
 from __future__ import annotations

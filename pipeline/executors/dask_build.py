@@ -189,6 +189,7 @@ def build_on_dask(
         log("resuming an interrupted build: chunks already written are verified and kept, per partition")
     job = BuildJob(
         recipe=worker_recipe(recipe, name),
+        recipe_type=type(recipe),
         source=recipe.source,
         store=str(Path(ctx.catalog.root).resolve()),
         stage=name,
@@ -222,7 +223,8 @@ def build_on_dask(
         parts = plan_partitions(layout.counts, layout.chunk_samples, per)
         stats["partitions"] = len(parts)
         log(
-            f"building on Dask ({client.scheduler.address}): {len(parts)} partitions of at most "
+            f"building on Dask ({client.scheduler_info().get('address', '?')}): {len(parts)} "
+            f"partitions of at most "
             f"{max(per.values(), default=0)} chunks (samples per chunk by split: {layout.chunk_samples}) "
             f"on {len(nthreads)} workers, {threads} threads"
         )

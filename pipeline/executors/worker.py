@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stores.errors import StoreNotFoundError
 from stores.zarr_format import META
@@ -36,12 +36,17 @@ from ..switches import KEEP_HEAP, apply_process_settings
 from .errors import ExecutorError, WorkerStoreError
 from .partitions import Partition
 
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+
 
 @dataclass(frozen=True)
 class BuildJob:
     """What every partition of one build shares: enough for a worker to re-create the upstream stream."""
 
     recipe: dict[str, Any]  # resolved recipe; targets narrowed to the cache stage, executor local
+    # The client's recipe class, which re-creates the recipe here (the engine never parses recipes).
+    recipe_type: type[Recipe]
     source: str  # where the recipe came from, for messages
     store: str  # catalog root: the same path on every machine
     stage: str  # the cache stage being built
@@ -87,7 +92,6 @@ def _open_upstream(job: BuildJob) -> _Upstream:
 
     from ..context import RunContext
     from ..progress import Progress
-    from ..recipe import recipe_from_dict
     from ..runner import Runner
 
     try:
@@ -98,7 +102,7 @@ def _open_upstream(job: BuildJob) -> _Upstream:
             "read the stored model and write chunks in place, so every worker must see the store at the "
             "same path as the client (a shared or network filesystem)"
         ) from None
-    recipe = recipe_from_dict(job.recipe, source=job.source)
+    recipe = job.recipe_type.from_dict(job.recipe, source=job.source)
     ctx = RunContext(
         catalog=catalog,
         seed=recipe.seed,
