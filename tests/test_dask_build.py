@@ -284,9 +284,8 @@ def test_executor_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(
         StageError, match="stages.cache .*format: hdf5 cannot be built with executor.type: dask"
     ):
-        Runner(
-            recipe, RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe, executor=executor_for(recipe))
-        )
+        ctx = RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe, executor=executor_for(recipe))
+        Runner(recipe, ctx)
     # A distributed recipe needs the executor its caller picked; the runner never imports one.
     recipe = recipe_from_dict(recipe_dict({"type": "dask", "workers": 2}))
     with pytest.raises(StageError, match="executor.type is 'dask' but the run context has no executor"):
