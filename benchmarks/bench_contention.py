@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -184,6 +185,8 @@ def main() -> None:
     ap.add_argument("--busy", choices=sorted(BUSY), default="torch", help="what a busy process runs")
     ap.add_argument("--quick", action="store_true", help="smoke run: two epochs per training, one round")
     args = ap.parse_args()
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the `finally` below stops the busy processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rounds = 1 if args.quick else args.repeats
     name = "contention_quick" if args.quick else "contention"
     rows: list[dict[str, Any]] = []
