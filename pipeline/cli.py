@@ -25,7 +25,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .errors import PipelineError, Terminated, missing_dependency
+from .errors import PathPermissionError, PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -227,8 +227,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     output = Path(args.output) if args.output else Path("runs") / recipe.name / stamp
     ctx = _context(args, recipe, output=output, quiet=args.quiet, writes=True)  # store checked first
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "metrics.jsonl").write_text("")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "metrics.jsonl").write_text("")
+    except PermissionError as exc:
+        raise PathPermissionError(
+            f"cannot write the run directory {output}: {exc.filename or output} is not writable by this user "
+            f"(uid {os.getuid()}); fix: give this user write access to it, or pass --output DIR"
+        ) from None
     # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
     # then adapted by the training loops (pipeline/threads.py).
     install_threads(recipe.run.threads, log=ctx.progress.log)
@@ -377,7 +383,7 @@ def _main(args: argparse.Namespace) -> int:
         kind = "error" if isinstance(exc, (PipelineError, StoreError)) else type(exc).__name__
         print(f"{kind}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except PermissionError as exc:  # the environment refuses a path: named, with the fix, before or mid-run
+    except PermissionError as exc:  # refused while working (the paths known up front are checked first)
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
         what = f"{exc.filename} ({exc.strerror})" if exc.filename else str(exc)
@@ -386,7 +392,7 @@ def _main(args: argparse.Namespace) -> int:
             f"{os.getuid()}) write access to it (chmod/chown), or choose another --store / --output",
             file=sys.stderr,
         )
-        return EXIT_BAD_INPUT
+        return EXIT_FAILED
     except OSError as exc:
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise

@@ -35,7 +35,9 @@ def tiny_recipe(tmp: Path, *, samples: int = 64, weights: str | None = "random",
             "split": {"type": "split", "input": "data", "val_fraction": 0.1, "test_fraction": 0.1},
             "model": model,
             "images": {"type": "decode", "input": "split", "resolution": 32, "batch_size": 64},
-            "features": {"type": "frozen_forward", "input": "images", "model": "model", "train_last_blocks": 18},
+            "features": {
+                "type": "frozen_forward", "input": "images", "model": "model", "train_last_blocks": 18
+            },
             "float": {"type": "quantize", "input": "features", "bits": 32, "eval_bits": 32},
             "cache": {"type": "cache", "input": "float", "chunk_bytes": 262144},
         },
@@ -121,9 +123,11 @@ def test_summary_records_versions_overrides_and_skipped_samples(tmp_path: Path) 
     for cls in ("a", "b"):
         (folder / cls).mkdir(parents=True)
         for i in range(6):
-            Image.new("RGB", (16, 16), (40 * i, 100 if cls == "a" else 200, 0)).save(folder / cls / f"{i}.png")
+            colour = (40 * i, 100 if cls == "a" else 200, 0)
+            Image.new("RGB", (16, 16), colour).save(folder / cls / f"{i}.png")
     (folder / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    path = tiny_recipe(tmp_path, source={"type": "image_folder", "root": str(folder), "on_bad_sample": "skip"})
+    source = {"type": "image_folder", "root": str(folder), "on_bad_sample": "skip"}
+    path = tiny_recipe(tmp_path, source=source)
     out = tmp_path / "run"
     assert main(["run", str(path), "--store", str(tmp_path), "--output", str(out), "--quiet",
                  "--set", "stages.float.bits=16"]) == 0
@@ -174,17 +178,33 @@ def test_a_store_without_write_permission_fails_before_work(
         store.chmod(0o755)
 
 
-def test_a_raw_permission_error_mid_run_is_exit_2_with_the_path(
+def test_an_unwritable_run_directory_fails_before_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise PermissionError(13, "Permission denied", str(tmp_path / "run" / "metrics.jsonl"))
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
 
     path = tiny_recipe(tmp_path)
     monkeypatch.setattr(Path, "write_text", refuse)
     code = main(["run", str(path), "--store", str(tmp_path), "--output", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2 and "permission denied" in err and "metrics.jsonl" in err and "fix:" in err
+    assert code == 2 and f"cannot write the run directory {tmp_path / 'run'}" in err and "--output" in err
+
+
+def test_a_permission_error_while_working_is_exit_1_with_the_path_and_a_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from pipeline.runner import Runner
+
+    def refuse(self: Runner) -> None:
+        raise PermissionError(13, "Permission denied", "/somewhere/locked")
+
+    monkeypatch.setattr(Runner, "run", refuse)
+    out = tmp_path / "run"
+    code = main(["run", str(tiny_recipe(tmp_path)), "--store", str(tmp_path), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "permission denied: /somewhere/locked" in err and "fix:" in err
+    assert summary_of(out)["failure"]["error"] == "PermissionError"
 
 
 # ------------------------------------------------------------------------ warnings and checks
