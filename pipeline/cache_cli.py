@@ -351,7 +351,11 @@ COMMANDS = {
 }
 
 
+# Commands that change the store: checked for write permission before they start.
+WRITING_COMMANDS = frozenset({"repair", "gc", "rm", "pin", "unpin"})
+
+
 def main(args: argparse.Namespace, max_bytes: int | None = None) -> int:
-    store = resolve_store(args.store, None, create=False)
+    store = resolve_store(args.store, None, create=False, writable=args.cache_command in WRITING_COMMANDS)
     catalog = Catalog(store, create=False, max_bytes=max_bytes)
     return COMMANDS[args.cache_command](args, catalog)

@@ -172,8 +172,10 @@ def test_a_store_without_write_permission_fails_before_work(
         assert code == 2, err
         assert f"store directory {store} is not writable" in err and "chmod" in err and "--store" in err
         assert not out.exists()  # before any work: not even a run directory
-        # reading needs no write permission
+        # reading needs no write permission; changing the store does
         assert main(["cache", "ls", "--store", str(store)]) == 0
+        assert main(["cache", "gc", "--store", str(store)]) == 2
+        assert f"store directory {store} is not writable" in capsys.readouterr().err
     finally:
         store.chmod(0o755)
 
