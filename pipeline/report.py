@@ -282,7 +282,8 @@ def write_run_outputs(
     (output / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     (output / "recipe.resolved.yaml").write_text(
         "# The recipe as run: overrides applied, every default written out. `python -m pipeline run` this\n"
-        "# file to repeat the run (same fingerprints, so stored results are reused).\n"
+        "# file to repeat the run (same fingerprints, so stored results are reused). Each stage's seed is\n"
+        "# written out too, so `--set seed=N` on this file changes no stage: set stages.NAME.seed.\n"
         + yaml.safe_dump(recipe.full_dict(), sort_keys=False)
     )
     epochs = _epochs(output / "metrics.jsonl")

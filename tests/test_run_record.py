@@ -55,7 +55,16 @@ def summary_of(run: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ SIGTERM, failures
-def test_sigterm_writes_the_run_record_and_exits_143(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "code", "status", "said"),
+    [
+        (signal.SIGTERM, 143, "terminated", "terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "interrupted", "interrupted"),
+    ],
+)
+def test_sigterm_and_ctrl_c_write_the_run_record(
+    tmp_path: Path, sig: signal.Signals, code: int, status: str, said: str
+) -> None:
     path = tiny_recipe(tmp_path, samples=2500)
     store, out = tmp_path / "store", tmp_path / "run"
     store.mkdir()
@@ -67,16 +76,18 @@ def test_sigterm_writes_the_run_record_and_exits_143(tmp_path: Path) -> None:
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the build finished before it could be terminated"
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    assert proc.returncode == code, err
+    assert said in err and "Traceback" not in err
     summary = summary_of(out)
-    assert summary["status"] == "terminated"
-    assert summary["failure"]["stage"] == "cache" and "SIGTERM" in summary["failure"]["message"]
+    assert summary["status"] == status
+    assert summary["failure"]["stage"] == "cache" and summary["failure"]["error"] == (
+        "Terminated" if sig == signal.SIGTERM else "KeyboardInterrupt"
+    )
     assert {s["name"] for s in summary["stages"]} >= {"data", "split"}  # what finished before
     report = (out / "report.md").read_text()
-    assert "terminated" in report and "`cache`" in report
+    assert f"The run {status}** in stage `cache`" in report
     assert (out / "recipe.resolved.yaml").is_file()
 
 
