@@ -40,7 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             sp.add_argument("--json", action="store_true", help="machine-readable output")
         return sp
 
-    with_store("ls", "list entries: size, kind, producing recipe:stage, last use, pinned", json_out=True)
+    with_store(
+        "ls",
+        "list entries: size, kind, producing recipe:stage, the settings that tell entries apart (bits, "
+        "cut, arch, resolution), last use, pinned",
+        json_out=True,
+    )
     with_store("du", "disk usage: entries, staging (interrupted builds), budget", json_out=True)
     verify = with_store(
         "verify", "check every chunk's checksum and every file (all entries by default)", json_out=True
@@ -94,6 +99,76 @@ def _when(moment: datetime) -> str:
     return f"{seconds // 86400}d ago"
 
 
+# Settings of a stored model that tell one apart from another of the same recipe stage.
+MODEL_SETTINGS = ("arch", "width_mult", "resolution")
+
+
+def entry_settings(e: Entry) -> dict[str, Any]:
+    """The settings that tell entries of one recipe stage apart: for stored features the bits, the
+    cut (architecture, blocks above it, precision) and the input resolution; for a model its
+    architecture, width and resolution. Empty when the entry does not say (or cannot be read:
+    ``cache verify`` is the place to find out why)."""
+    lin = e.lineage or {}
+    if e.kind == "stream":
+        from stores.entry import open_reader
+        from stores.errors import StoreError
+
+        try:
+            reader = open_reader(e.path)
+            try:
+                meta = (reader.attrs.get("lineage") or {}).get("meta") or {}
+            finally:
+                reader.close()
+        except (StoreError, OSError, ValueError, KeyError):
+            return {}
+        settings: dict[str, Any] = {}
+        if "bits" in meta:
+            settings["bits"] = meta["bits"]
+        cut = meta.get("cut") or {}
+        for key in ("arch", "train_last_blocks", "precision", "resolution"):
+            if key in cut:
+                settings[key] = cut[key]
+        if "resolution" not in settings and "resolution" in meta:
+            settings["resolution"] = meta["resolution"]
+        return settings
+    if e.kind == "model":
+        from .registry import stage_class
+
+        config = lin.get("config") or {}
+        type_name = str(lin.get("type", "")).split("@")[0]
+        try:
+            fields = stage_class(type_name).model_fields
+        except PipelineError:  # a stage type this version does not have: show what the entry says
+            fields = {}
+        settings = {}
+        for key in MODEL_SETTINGS:
+            if key in config:
+                settings[key] = config[key]
+            elif key in fields:  # left at its default, so not in the fingerprint's config
+                settings[key] = fields[key].default
+        return settings
+    return {}
+
+
+def describe_settings(settings: dict[str, Any]) -> str:
+    """'2-bit, mobilenet_v2 top 7 blocks (fp32), 32px' for a `cache ls` line."""
+    parts = []
+    if "bits" in settings:
+        parts.append(f"{settings['bits']}-bit")
+    if "arch" in settings:
+        arch = settings["arch"]
+        if "width_mult" in settings and settings["width_mult"] != 1.0:
+            arch += f" x{settings['width_mult']:g}"
+        if "train_last_blocks" in settings:
+            arch += f" top {settings['train_last_blocks']} blocks"
+            if settings.get("precision", "fp32") != "fp32":
+                arch += f" ({settings['precision']})"
+        parts.append(arch)
+    if "resolution" in settings:
+        parts.append(f"{settings['resolution']}px")
+    return ", ".join(parts)
+
+
 def _row(e: Entry, catalog: Catalog) -> dict[str, Any]:
     lin = e.lineage or {}
     return {
@@ -108,6 +183,7 @@ def _row(e: Entry, catalog: Catalog) -> dict[str, Any]:
         "stage": lin.get("stage"),
         "type": lin.get("type"),
         "recipe_file": lin.get("recipe_file"),
+        "settings": entry_settings(e),
     }
 
 
@@ -124,10 +200,13 @@ def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
     for e in entries:
         lin = e.lineage or {}
         flags = ("  pinned" if e.pinned else "") + ("  in use" if catalog.in_use(e.fingerprint) else "")
+        settings = describe_settings(entry_settings(e))
         print(
             f"  {e.fingerprint[:12]}  {e.kind:<7} {human_size(e.size_bytes):>10}  "
             f"used {_when(e.last_used):>9}  "
-            f"{lin.get('recipe', '?')}:{lin.get('stage', '?')} ({lin.get('type', '?')}){flags}"
+            f"{lin.get('recipe', '?')}:{lin.get('stage', '?')} ({lin.get('type', '?')})"
+            + (f"  {settings}" if settings else "")
+            + flags
         )
     return EXIT_OK
 
@@ -272,7 +351,11 @@ COMMANDS = {
 }
 
 
+# Commands that change the store: checked for write permission before they start.
+WRITING_COMMANDS = frozenset({"repair", "gc", "rm", "pin", "unpin"})
+
+
 def main(args: argparse.Namespace, max_bytes: int | None = None) -> int:
-    store = resolve_store(args.store, None, create=False)
+    store = resolve_store(args.store, None, create=False, writable=args.cache_command in WRITING_COMMANDS)
     catalog = Catalog(store, create=False, max_bytes=max_bytes)
     return COMMANDS[args.cache_command](args, catalog)

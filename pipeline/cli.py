@@ -1,8 +1,8 @@
 """Command line: ``python -m pipeline run|plan|validate|stages|memory|cache ...``.
 
 Exit codes: 0 success, 1 a failure while working (I/O, corrupt data met mid-run),
-2 bad input (recipe, paths, arguments), 130 interrupted. Errors are one clear
-message, never a traceback (set ONDEVICE_TL_DEBUG=1 to see one).
+2 bad input (recipe, paths, arguments, permissions), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM). Errors are one clear message, never a traceback (set ONDEVICE_TL_DEBUG=1 to see one).
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,10 +25,10 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .errors import PipelineError, missing_dependency
+from .errors import PathPermissionError, PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _human(n: float | None) -> str:
@@ -109,7 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quiet: bool) -> Any:
+def _context(
+    args: argparse.Namespace, recipe: Any, *, output: Path | None, quiet: bool, writes: bool = False
+) -> Any:
     from stores.catalog import Catalog
 
     from .context import RunContext
@@ -117,8 +123,10 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
     from .progress import Progress
     from .storepath import resolve_store
 
-    store = resolve_store(getattr(args, "store", None), recipe.store.path)
-    max_bytes = getattr(args, "max_bytes", None) or recipe.store.max_bytes
+    store = resolve_store(getattr(args, "store", None), recipe.store.path, writable=writes)
+    # `is None`, not `or`: --max-bytes 0 is a budget of nothing, as store.max_bytes: 0 is.
+    cli_budget = getattr(args, "max_bytes", None)
+    max_bytes = cli_budget if cli_budget is not None else recipe.store.max_bytes
     return RunContext(
         catalog=Catalog(store, max_bytes=max_bytes),
         output_dir=output,
@@ -132,13 +140,30 @@ def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quie
     )
 
 
+def _warn_random_backbones(recipe: Any) -> None:
+    """Loudly, on stderr: a backbone the run uses that is random only because no weights were given."""
+    from .graph import Graph
+    from .stages.model import Backbone
+
+    graph = Graph(recipe)
+    consumed = {parent for name in graph.needed for parent in graph.edges[name].values()}
+    for name in graph.order:
+        stage = recipe.stages[name]
+        if name in consumed and isinstance(stage, Backbone):
+            warning = stage.random_init_warning(name)
+            if warning:
+                print(warning, file=sys.stderr)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from .graph import Graph
-    from .recipe import load_recipe
+    from .recipe import validate_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe, cuts_checked = validate_recipe(args.recipe, args.overrides)
     graph = Graph(recipe)
-    print(f"{args.recipe}: valid ({len(recipe.stages)} stages; targets: {', '.join(graph.targets)})")
+    unchecked = "" if cuts_checked else "; cuts not checked against their backbones: torch is not installed"
+    targets = ", ".join(graph.targets)
+    print(f"{args.recipe}: valid ({len(recipe.stages)} stages; targets: {targets}{unchecked})")
     return EXIT_OK
 
 
@@ -147,6 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .runner import Runner
 
     recipe = load_recipe(args.recipe, args.overrides)
+    _warn_random_backbones(recipe)
     ctx = _context(args, recipe, output=None, quiet=True)
     rows = Runner(recipe, ctx).plan()
     if args.json:
@@ -180,30 +206,67 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ended(exc: BaseException) -> tuple[str, str | None]:
+    """(status, message) a run record gives a run that ``exc`` ended."""
+    if isinstance(exc, Terminated):
+        return "terminated", "terminated by SIGTERM"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "interrupted (Ctrl-C)"
+    return "failed", None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
-    from .report import write_run_outputs
+    from .report import failure_of, recording_skipped_samples, write_run_outputs
     from .runner import Runner
     from .threads import install as install_threads
     from .threads import uninstall as uninstall_threads
 
     recipe = load_recipe(args.recipe, args.overrides)
+    _warn_random_backbones(recipe)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     output = Path(args.output) if args.output else Path("runs") / recipe.name / stamp
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "metrics.jsonl").write_text("")
-    ctx = _context(args, recipe, output=output, quiet=args.quiet)
+    ctx = _context(args, recipe, output=output, quiet=args.quiet, writes=True)  # store checked first
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "metrics.jsonl").write_text("")
+    except PermissionError as exc:
+        raise PathPermissionError(
+            f"cannot write the run directory {output}: {exc.filename or output} is not writable by this user "
+            f"(uid {os.getuid()}); fix: give this user write access to it, or pass --output DIR"
+        ) from None
     # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
     # then adapted by the training loops (pipeline/threads.py).
     install_threads(recipe.run.threads, log=ctx.progress.log)
     start = time.perf_counter()
-    runner = Runner(recipe, ctx)
-    try:
-        reports = runner.run()
-    finally:
-        uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own recipe
+    runner: Runner | None = None
+    with recording_skipped_samples() as skipped:
+        try:
+            try:
+                runner = Runner(recipe, ctx)
+                reports = runner.run()
+            finally:
+                # A later run in this process (tests, notebooks) starts from its own recipe.
+                uninstall_threads()
+        except BaseException as exc:
+            # Failed, Ctrl-C or SIGTERM: the run record says how far it got and why it stopped,
+            # then the error goes on to main() for its message and exit code.
+            status, message = _ended(exc)
+            done = list(runner.reports.values()) if runner is not None else []
+            try:
+                write_run_outputs(
+                    output, recipe, runner, done, time.perf_counter() - start, store=ctx.catalog.root,
+                    overrides=args.overrides, skipped=skipped, failure=failure_of(exc, status=status,
+                                                                                  message=message),
+                )
+                print(f"run record: {output / 'summary.json'}", file=sys.stderr)
+            except Exception as record_error:  # never hide the run's own error behind the record's
+                print(f"warning: could not write the run record in {output}: {record_error}", file=sys.stderr)
+            raise
     seconds = time.perf_counter() - start
-    summary = write_run_outputs(output, recipe, runner, reports, seconds)
+    summary = write_run_outputs(
+        output, recipe, runner, reports, seconds, overrides=args.overrides, skipped=skipped
+    )
     print(summary["summary_line"])
     return EXIT_OK
 
@@ -255,8 +318,31 @@ COMMANDS = {
 }
 
 
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the main thread while a command runs (then the handler
+    that was there before is put back: a test or notebook calling ``main`` keeps its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread; the host process decides
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _sigterm_unwinds():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         check_switches()  # read again where each applies; a bad value is named before any work
     except ValueError as exc:
@@ -269,13 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command not in RECIPE_ONLY_COMMANDS:
             _check_runtime()
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(
-            "interrupted: nothing partial was committed to the store; an interrupted cache build resumes "
-            "from its verified chunks on the next run",
+            f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: nothing partial "
+            "was committed to the store; an interrupted cache build resumes from its verified chunks on "
+            "the next run",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except CorruptChunkError as exc:  # data went bad on disk while working: not the user's input
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise
@@ -296,6 +383,16 @@ def main(argv: list[str] | None = None) -> int:
         kind = "error" if isinstance(exc, (PipelineError, StoreError)) else type(exc).__name__
         print(f"{kind}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PermissionError as exc:  # refused while working (the paths known up front are checked first)
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        what = f"{exc.filename} ({exc.strerror})" if exc.filename else str(exc)
+        print(
+            f"error: permission denied: {what}; fix: give this user (uid "
+            f"{os.getuid()}) write access to it (chmod/chown), or choose another --store / --output",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     except OSError as exc:
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise

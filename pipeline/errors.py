@@ -37,6 +37,19 @@ class MissingPathError(PipelineError, FileNotFoundError):
     """A path the run needs does not exist; the message says how to provide it."""
 
 
+class PathPermissionError(PipelineError, PermissionError):
+    """This user may not write a path the run needs (store, run directory); the message names the fix."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what systemd, docker and ``kill`` send), raised in the main thread.
+
+    A KeyboardInterrupt, so it unwinds exactly like Ctrl-C: every ``finally`` and every handler
+    of an interruption runs (nothing partial is committed, the run record is written), and the
+    command then exits 143 (128 + SIGTERM) as a process killed by it would.
+    """
+
+
 class CacheMissWarning(UserWarning):
     """An input could not be fingerprinted, so its output will be recomputed, not reused."""
 

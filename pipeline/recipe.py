@@ -7,6 +7,7 @@ only things it can instantiate are registered stage types.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -15,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from .errors import MissingPathError, RecipeError, did_you_mean
+from .errors import MissingPathError, ModelError, RecipeError, did_you_mean
 from .registry import stage_class
 from .stage import Stage
 
@@ -128,6 +129,74 @@ class Recipe(BaseModel):
         out["stages"] = {name: stage.to_config() for name, stage in self.stages.items()}
         return out
 
+    def full_dict(self) -> dict[str, Any]:
+        """The recipe as run with every default written out (overrides applied), JSON-able.
+
+        What a run record keeps: a reader sees every setting the run used without knowing this
+        version's defaults, and loading it back gives the same stages, so the same fingerprints
+        (they hash non-default values, whether a default was written or left out).
+        """
+        out = self.model_dump(mode="json", exclude={"stages", "source"})
+        out["stages"] = {
+            name: {"type": stage.type_name, **stage.model_dump(mode="json")}
+            for name, stage in self.stages.items()
+        }
+        if out.get("targets") is None:
+            out.pop("targets", None)
+        return out
+
+
+# ---------------------------------------------------------------------------- loading
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping gives one key twice: plain YAML keeps the last silently, a recipe refuses."""
+
+    def __init__(self, key: Any, first: yaml.Mark, second: yaml.Mark) -> None:
+        super().__init__(None, None, f"duplicate key {key!r}", second)
+        self.key, self.first_line, self.second_line = key, first.line + 1, second.line + 1
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader (plain data only, no arbitrary tags) that refuses duplicate keys.
+
+    Two stages with one name, or a field given twice, would otherwise leave only the last, and the
+    run would quietly differ from what the file seems to say. Keys brought in by a merge (``<<:``)
+    are defaults that the mapping's own keys may override, as YAML intends, so they are not counted.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base constructor names it
+                continue
+            if first is not None:
+                raise DuplicateKeyError(key, first, key_node.start_mark)
+            seen[key] = key_node.start_mark
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` semantics, refusing duplicate keys (:class:`RecipeLoader`)."""
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
+def _unshared(value: Any) -> Any:
+    """A copy in which no mapping or list appears twice.
+
+    YAML anchors and aliases (``train: &transfer`` ... ``train: *transfer``) load as one shared
+    object; an override of one stage must not change every stage that names the anchor.
+    """
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return value
+
 
 # ---------------------------------------------------------------------------- lines
 def _yaml_problem(exc: yaml.YAMLError, source: str, what: str) -> str:
@@ -190,7 +259,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise RecipeError(f"--set {text!r}: empty component in key path {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise RecipeError(f"--set {text!r}: value is not valid YAML: {exc}") from None
     return parts, value
@@ -308,7 +377,58 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
     return current
 
 
+def _model_problems(recipe: Recipe) -> list[tuple[Path_, str]] | None:
+    """Cuts checked against the architecture they cut (None: torch is not installed, nothing checked).
+
+    ``plan`` and ``run`` find the same problems while resolving; ``validate`` finds them too, so a
+    recipe that validates does not fail later on a cut outside its backbone. Needs the block list,
+    so torch: a Python with only the recipe tools skips this check.
+    """
+    if importlib.util.find_spec("torch") is None:
+        return None
+    from .models.arch import ArchConfig, check_cut
+
+    problems: list[tuple[Path_, str]] = []
+    specs: dict[str, Any] = {}
+    for name, stage in recipe.stages.items():
+        cut, model_name = getattr(stage, "train_last_blocks", None), getattr(stage, "model", None)
+        if not isinstance(cut, int) or not isinstance(model_name, str):
+            continue
+        model = recipe.stages.get(model_name)
+        arch = getattr(model, "arch", None)
+        if model is None or not isinstance(arch, str):
+            continue  # a model made another way (graph checks say if the name is wrong)
+        if model_name not in specs:
+            # The block count does not depend on the classes; a pretrain's come from its data.
+            config = ArchConfig(arch, getattr(model, "num_classes", 1000), getattr(model, "width_mult", 1.0),
+                                getattr(model, "small_input", False), getattr(model, "resolution", 224))
+            try:
+                specs[model_name] = config.spec()
+            except ModelError as exc:
+                specs[model_name] = None
+                problems.append((("stages", model_name, "arch"), str(exc)))
+        if specs[model_name] is None:
+            continue
+        try:
+            check_cut(cut, specs[model_name])
+        except ModelError as exc:
+            where = ("stages", name, "train_last_blocks")
+            problems.append((where, f"{exc}, the backbone made by stages.{model_name}"))
+    return problems
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """The recipe at ``path`` with ``overrides`` applied, validated without torch."""
+    return _load(path, overrides, check_models=False)[0]
+
+
+def validate_recipe(path: str | Path, overrides: list[str] | None = None) -> tuple[Recipe, bool]:
+    """(recipe, whether its cuts were checked against their architectures): ``load_recipe`` plus the
+    checks that need the model's structure, which are skipped where torch is not installed."""
+    return _load(path, overrides, check_models=True)
+
+
+def _load(path: str | Path, overrides: list[str] | None, *, check_models: bool) -> tuple[Recipe, bool]:
     path = Path(path)
     if not path.is_file():
         raise MissingPathError(
@@ -318,10 +438,22 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     source = str(path)
     lines = _line_map(text, source)
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise RecipeError(
+            f"{source}:{exc.second_line}: duplicate key {exc.key!r}, first given at line {exc.first_line}; "
+            "a key may appear once in a mapping (YAML would keep only the last): remove or rename one"
+        ) from None
     except yaml.YAMLError as exc:  # e.g. a python/object tag: recipes are plain data
         raise RecipeError(_yaml_problem(exc, source, "not a plain-data recipe")) from None
     if data is None:
         raise RecipeError(f"{source}: the recipe is empty")
+    data = _unshared(data)
     overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else set()
-    return recipe_from_dict(data, source=source, lines=lines, overridden=overridden)
+    recipe = recipe_from_dict(data, source=source, lines=lines, overridden=overridden)
+    if not check_models:
+        return recipe, False
+    problems = _model_problems(recipe)
+    if problems:
+        _raise(problems, source, lines, overridden)
+    return recipe, problems is not None

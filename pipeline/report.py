@@ -1,18 +1,118 @@
-"""Run outputs: summary.json, metrics.jsonl (written while training), report.md, plots, resolved recipe."""
+"""Run outputs: summary.json, metrics.jsonl (written while training), report.md, plots, resolved recipe.
+
+Written for every run that started, finished or not: a failed, interrupted or terminated run's
+summary says which stage was working and what went wrong, beside the stages that finished.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
+import sys
+import warnings
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import yaml
 
+from .data.image_folder import SkippedSamplesWarning
 from .runner import Runner, StageReport
 from .spec import RESULT
+
+DISTRIBUTION = "ondevice-tl"
+
+
+def toolkit_version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def versions() -> dict[str, str]:
+    """What made the numbers: the toolkit, torch and Python (a run record outlives the environment)."""
+    import torch
+
+    return {"ondevice_tl": toolkit_version(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+@dataclass
+class SkippedSamples:
+    """Samples a dataset left out under ``on_bad_sample: skip``, gathered while the run makes them."""
+
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(s["count"] for s in self.sources)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"total": self.total, "sources": self.sources}
+
+
+@contextmanager
+def recording_skipped_samples() -> Iterator[SkippedSamples]:
+    """Count the samples datasets skip while this block runs; their warnings are still shown.
+
+    The count is only known where the dataset is indexed, which reports it as a
+    ``SkippedSamplesWarning``; the warning stays the user's live notice, and this hook keeps its
+    numbers for summary.json.
+    """
+    record = SkippedSamples()
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if isinstance(message, SkippedSamplesWarning):
+            record.sources.append(
+                {"source": message.source, "count": len(message.skipped), "examples": message.skipped[:5]}
+            )
+        shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SkippedSamplesWarning)  # every dataset's skips are counted
+        warnings.showwarning = show
+        yield record
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a run that did not finish ended: the stage at work, and the error or signal."""
+
+    status: str  # "failed" | "interrupted" | "terminated"
+    stage: str | None
+    error: str
+    message: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "error": self.error, "message": self.message}
+
+
+def failing_stage(tb: TracebackType | None) -> str | None:
+    """The innermost stage the runner was resolving or producing where the traceback ends.
+
+    A stream stage does its work when a consumer pulls from it, so an error there is reported at
+    the consumer (the cache or trainer that was pulling), the stage that was working in the run.
+    """
+    frames = (Runner.output.__code__, Runner._resolve.__code__)
+    stage = None
+    while tb is not None:
+        if tb.tb_frame.f_code in frames:
+            name = tb.tb_frame.f_locals.get("name")
+            stage = name if isinstance(name, str) else stage
+        tb = tb.tb_next
+    return stage
+
+
+def failure_of(exc: BaseException, *, status: str, message: str | None = None) -> Failure:
+    return Failure(status, failing_stage(exc.__traceback__), type(exc).__name__, message or str(exc))
 
 
 def _human(n: float) -> str:
@@ -114,10 +214,27 @@ def _plots(
 
 
 def write_run_outputs(
-    output: Path, recipe: Any, runner: Runner, reports: list[StageReport], seconds: float
+    output: Path,
+    recipe: Any,
+    runner: Runner | None,
+    reports: list[StageReport],
+    seconds: float,
+    *,
+    store: Path | None = None,
+    overrides: Sequence[str] = (),
+    skipped: SkippedSamples | None = None,
+    failure: Failure | None = None,
 ) -> dict[str, Any]:
+    """summary.json, report.md, recipe.resolved.yaml and plots in ``output``.
+
+    ``runner`` is None when the run failed before its stages were resolved; ``failure`` says how a
+    run that did not finish ended.
+    """
     results = {r.name: r.metrics for r in reports if r.kind == RESULT and r.metrics}
-    primary = next((t for t in reversed(runner.graph.targets) if t in results), None)
+    targets = runner.graph.targets if runner is not None else []
+    primary = next((t for t in reversed(targets) if t in results), None)
+    if store is None and runner is not None:
+        store = runner.ctx.catalog.root
     stages: list[dict[str, Any]] = [
         {
             "name": r.name,
@@ -134,22 +251,41 @@ def write_run_outputs(
     computed = sum(r.status == "computed" for r in reports)
     reused = sum(r.status == "reused" for r in reports)
     parts = [f"{recipe.name}: {len(reports)} stages ({computed} computed, {reused} reused) in {seconds:.1f}s"]
+    if failure is not None:
+        at = f" in stage {failure.stage}" if failure.stage else ""
+        parts[0] = (
+            f"{recipe.name}: {failure.status}{at} after {seconds:.1f}s "
+            f"({computed} stages computed, {reused} reused before that)"
+        )
     parts += [_result_line(name, m) for name, m in results.items()]
+    if skipped is not None and skipped.total:
+        parts.append(f"{skipped.total} unreadable samples skipped")
     summary_line = "; ".join(parts) + f" -> {output}"
     summary = {
         "recipe": recipe.name,
         "recipe_file": recipe.source,
+        "status": failure.status if failure else "finished",
+        **({"failure": failure.as_json()} if failure else {}),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
-        "store": str(runner.ctx.catalog.root),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "store": str(store) if store is not None else None,
+        "overrides": list(overrides),
+        "versions": versions(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "executable": sys.executable},
+        "skipped_samples": (skipped or SkippedSamples()).as_json(),
         "stages": stages,
         "metrics": results.get(primary, {}) if primary else {},
         "results": results,
         "summary_line": summary_line,
     }
     (output / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    (output / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe.resolved_dict(), sort_keys=False))
+    (output / "recipe.resolved.yaml").write_text(
+        "# The recipe as run: overrides applied, every default written out. `python -m pipeline run` this\n"
+        "# file to repeat the run (same fingerprints, so stored results are reused). Each stage's seed is\n"
+        "# written out too, so `--set seed=N` on this file changes no stage: set stages.NAME.seed.\n"
+        + yaml.safe_dump(recipe.full_dict(), sort_keys=False)
+    )
     epochs = _epochs(output / "metrics.jsonl")
     plots = _plots(output, {k: v for k, v in epochs.items() if k in results or v}, results)
     lines = [
@@ -158,6 +294,23 @@ def write_run_outputs(
         f"Recipe `{recipe.source}`, {summary['created']}, "
         f"{seconds:.1f} s in all. Store `{summary['store']}`.",
         "",
+    ]
+    if failure is not None:
+        lines += [
+            f"**The run {failure.status}**"
+            + (f" in stage `{failure.stage}`" if failure.stage else "")
+            + f": {failure.error}: {failure.message}",
+            "",
+        ]
+    if overrides:
+        lines += ["Overrides: " + ", ".join(f"`--set {o}`" for o in overrides), ""]
+    if skipped is not None and skipped.total:
+        lines += [
+            f"Skipped unreadable samples (on_bad_sample: skip): {skipped.total} ("
+            + ", ".join(f"{s['count']} in {s['source']}" for s in skipped.sources) + ")",
+            "",
+        ]
+    lines += [
         "## Stages",
         "",
         "| stage | type | status | fingerprint | seconds | bytes written |",

@@ -112,6 +112,15 @@ def _touch(path: Path) -> None:
         pass
 
 
+def _file_in_the_way(path: Path) -> Path | None:
+    """``path`` or its nearest existing ancestor, when that is not a directory (so no directory can be
+    made there): said as such, rather than as a directory that "does not exist"."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
 class Catalog:
     """Entries keyed by fingerprint under ``root`` (see the module docstring for the layout).
 
@@ -127,10 +136,15 @@ class Catalog:
             raise CatalogError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
         self.max_bytes = max_bytes
         if not self.root.is_dir():
-            if not create or self.root.exists():
+            blocker = _file_in_the_way(self.root)
+            if blocker is not None:
                 raise StoreNotFoundError(
-                    f"catalog directory {self.root} does not exist (or is not a directory) and create=False; "
-                    "check the cache path"
+                    f"catalog directory {self.root} cannot be a directory: {blocker} is a file, not a "
+                    "directory; check the cache path"
+                )
+            if not create:
+                raise StoreNotFoundError(
+                    f"catalog directory {self.root} does not exist and create=False; check the cache path"
                 )
             makedirs_durable(self.root)
         self.entries_dir = self.root / "entries"

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import zarr
 
 from pipeline.cli import main
@@ -170,6 +171,48 @@ def test_cache_ls_lists_entries(quick_runs: dict[str, Path], capsys: pytest.Capt
     assert run_cli("cache", "ls", "--store", str(quick_runs["store"])) == 0
     out = capsys.readouterr().out
     assert "quickstart:cache" in out and "quickstart:backbone" in out and "2 entries" in out
+    # the settings that tell entries of one recipe stage apart
+    cache_line = next(line for line in out.splitlines() if "quickstart:cache" in line)
+    assert "2-bit" in cache_line and "mobilenet_v2 top 7 blocks" in cache_line and "32px" in cache_line
+    backbone_line = next(line for line in out.splitlines() if "quickstart:backbone" in line)
+    assert "mobilenet_v2 x0.35" in backbone_line and "32px" in backbone_line
+    assert run_cli("cache", "ls", "--store", str(quick_runs["store"]), "--json") == 0
+    rows = {r["stage"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["cache"]["settings"] == {
+        "bits": 2, "arch": "mobilenet_v2", "train_last_blocks": 7, "precision": "fp32", "resolution": 32
+    }
+
+
+def test_an_override_of_the_shared_train_settings_leaves_the_baseline_alone(
+    quick_runs: dict[str, Path],
+) -> None:
+    # The second run sets stages.two_stage.train.lr; quickstart's baseline shares that `train:` anchor.
+    first, second = stages_by_name(quick_runs["first"]), stages_by_name(quick_runs["second"])
+    assert second["baseline"]["fingerprint"] == first["baseline"]["fingerprint"]
+    assert second["two_stage"]["fingerprint"] != first["two_stage"]["fingerprint"]
+    resolved = yaml.safe_load((quick_runs["second"] / "recipe.resolved.yaml").read_text())
+    assert resolved["stages"]["two_stage"]["train"]["lr"] == 0.001
+    assert resolved["stages"]["baseline"]["train"]["lr"] == 0.01
+
+
+def test_the_resolved_recipe_reruns_with_the_same_fingerprints(
+    quick_runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    run = quick_runs["second"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["overrides"] == [*FAST, "stages.two_stage.train.lr=0.001",
+                                    "stages.augmented_features.crop_padding=1"]
+    assert set(summary["versions"]) == {"ondevice_tl", "torch", "python"}
+    assert summary["status"] == "finished" and summary["skipped_samples"]["total"] == 0
+    resolved = run / "recipe.resolved.yaml"
+    assert run_cli("validate", str(resolved)) == 0
+    capsys.readouterr()
+    assert run_cli("plan", str(resolved), "--store", str(quick_runs["store"]), "--json") == 0
+    planned = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {n: r["fingerprint"] for n, r in planned.items()} == {
+        s["name"]: s["fingerprint"] for s in summary["stages"]
+    }
+    assert planned["cache"]["action"] == "reuse"
 
 
 def test_validate_and_plan_text(quick_runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
@@ -182,9 +225,9 @@ def test_validate_and_plan_text(quick_runs: dict[str, Path], capsys: pytest.Capt
 def test_bad_inputs_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert run_cli("run", str(tmp_path / "missing.yaml")) == 2
     assert "missing.yaml" in capsys.readouterr().err
-    assert (
-        run_cli("validate", QUICKSTART, "--set", "stages.features.train_last_blocks=99") == 0
-    )  # range is a plan-time check
+    # validate checks the cut against the architecture, as plan does
+    assert run_cli("validate", QUICKSTART, "--set", "stages.features.train_last_blocks=99") == 2
+    assert "0..19" in capsys.readouterr().err
     assert (
         run_cli("plan", QUICKSTART, "--set", "stages.features.train_last_blocks=99", "--store", str(tmp_path))
         == 2

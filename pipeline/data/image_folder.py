@@ -46,7 +46,16 @@ BadSamplePolicy = Literal["fail", "skip"]
 
 
 class SkippedSamplesWarning(UserWarning):
-    """Some images could not be read and were left out of the dataset (``on_bad_sample: skip``)."""
+    """Some images could not be read and were left out of the dataset (``on_bad_sample: skip``).
+
+    Carries what it says as data (``source``, ``skipped``: one reason per file) so a run record
+    can count the skipped samples, not only print them.
+    """
+
+    def __init__(self, message: str, *, source: str = "", skipped: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.source = source
+        self.skipped = list(skipped)
 
 
 def _to_array(im: Image.Image) -> np.ndarray:
@@ -226,6 +235,8 @@ def image_folder(root: str | Path, *, on_bad_sample: BadSamplePolicy = "fail") -
                                     name=f"image_folder {splits[split]}")
     if skipped:
         shown = "; ".join(skipped[:SHOWN_SKIPS]) + ("; ..." if len(skipped) > SHOWN_SKIPS else "")
-        warnings.warn(f"image_folder {root}: skipped {len(skipped)} unreadable image(s) "
-                      f"(on_bad_sample: skip): {shown}", SkippedSamplesWarning, stacklevel=2)
+        message = (f"image_folder {root}: skipped {len(skipped)} unreadable image(s) "
+                   f"(on_bad_sample: skip): {shown}")
+        warnings.warn(SkippedSamplesWarning(message, source=f"image_folder {root}", skipped=skipped),
+                      stacklevel=2)
     return sets

@@ -31,11 +31,17 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# ``weights: random``: random initialisation, chosen on purpose (no warning).
+RANDOM_WEIGHTS = "random"
+
+
 class Backbone(Stage):
     """A torchvision backbone as a block list, with weights from a file, the hub cache, or random init.
 
     ``weights``: a path to a state_dict file, ``hub`` for torchvision's cached checkpoint
-    (never downloaded), or omitted for random initialisation seeded by ``seed``.
+    (never downloaded), or ``random`` for random initialisation seeded by ``seed``. Omitted is
+    random too, but a run warns about it (:meth:`random_init_warning`): transfer from a random
+    backbone sits near chance, which a first-time user takes for a bug.
     """
 
     type_name: ClassVar[str] = "backbone"
@@ -46,14 +52,31 @@ class Backbone(Stage):
     width_mult: float = Field(1.0, gt=0)
     small_input: bool = False
     resolution: int = Field(224, ge=8, description="native input size of the weights")
-    weights: str | None = None
+    weights: str | None = Field(
+        None,
+        description="state_dict file, hub (torchvision's cached checkpoint) or random; omitted: random, "
+        "with a warning",
+    )
     seed: int = 0
 
     def _config(self) -> ArchConfig:
         return ArchConfig(self.arch, self.num_classes, self.width_mult, self.small_input, self.resolution)
 
+    def random_init_warning(self, name: str) -> str | None:
+        """The warning for a backbone left random without saying so (None: weights given, or
+        ``weights: random`` written, so the user knows)."""
+        if self.weights is not None:
+            return None
+        return (
+            f"warning: stages.{name} ({self.arch} backbone) has no weights: it starts from random "
+            "initialisation, and transfer from a random backbone learns little beyond chance. Give it "
+            "weights (weights: PATH to a torchvision state_dict, or weights: hub) or train one with a "
+            f"`pretrain` stage (as recipes/quickstart.yaml does); write `weights: {RANDOM_WEIGHTS}` in "
+            f"stages.{name} to silence this if random is what you mean"
+        )
+
     def _weights_path(self) -> Path | None:
-        if self.weights is None:
+        if self.weights is None or self.weights == RANDOM_WEIGHTS:
             return None
         if self.weights == "hub":
             path = hub_checkpoint(self.arch)
@@ -76,7 +99,9 @@ class Backbone(Stage):
         """Where the weights are read from is not identity, their bytes are (``identity``): a weights
         file copied elsewhere keeps its fingerprint. The seed only matters to a random init."""
         config = super().fingerprint_config()
-        if self.weights is not None:
+        if self.weights == RANDOM_WEIGHTS:  # said explicitly or left out: the same random init
+            config.pop("weights", None)
+        elif self.weights is not None:
             config.pop("weights", None)
             config.pop("seed", None)
         return config

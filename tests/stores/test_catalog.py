@@ -180,6 +180,15 @@ def test_missing_root_without_create(tmp_path: Path) -> None:
         Catalog(tmp_path / "nope", create=False)
 
 
+@pytest.mark.parametrize("create", [True, False])
+def test_a_root_under_a_regular_file_says_so(tmp_path: Path, create: bool) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(StoreNotFoundError, match=f"{tmp_path / 'afile'} is a file, not a directory"):
+        Catalog(tmp_path / "afile" / "store", create=create)
+    with pytest.raises(StoreNotFoundError, match="is a file, not a directory"):
+        Catalog(tmp_path / "afile", create=create)
+
+
 def test_human_size() -> None:
     assert [human_size(n) for n in (0, 1023, 1024, 1536, 3 * 1024**3)] == [
         "0 B",
