@@ -13,8 +13,6 @@ import json
 import os
 import re
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -110,25 +108,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _context(args: argparse.Namespace, recipe: Any, *, output: Path | None, quiet: bool) -> Any:
-    from stores.catalog import Catalog
+    from .api import run_context
 
-    from .context import RunContext
-    from .executors import executor_for
-    from .progress import Progress
-    from .storepath import resolve_store
-
-    store = resolve_store(getattr(args, "store", None), recipe.store.path)
-    max_bytes = getattr(args, "max_bytes", None) or recipe.store.max_bytes
-    return RunContext(
-        catalog=Catalog(store, max_bytes=max_bytes),
-        output_dir=output,
-        seed=recipe.seed,
-        device=recipe.run.device,
-        recipe_name=recipe.name,
-        recipe_path=recipe.source,
-        progress=Progress(quiet=quiet),
-        recipe=recipe,
-        executor=executor_for(recipe),
+    return run_context(
+        recipe,
+        store=getattr(args, "store", None),
+        max_bytes=getattr(args, "max_bytes", None),
+        output=output,
+        quiet=quiet,
     )
 
 
@@ -181,30 +168,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .recipe import load_recipe
-    from .report import write_run_outputs
-    from .runner import Runner
-    from .threads import install as install_threads
-    from .threads import uninstall as uninstall_threads
+    from .api import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    output = Path(args.output) if args.output else Path("runs") / recipe.name / stamp
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "metrics.jsonl").write_text("")
-    ctx = _context(args, recipe, output=output, quiet=args.quiet)
-    # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
-    # then adapted by the training loops (pipeline/threads.py).
-    install_threads(recipe.run.threads, log=ctx.progress.log)
-    start = time.perf_counter()
-    runner = Runner(recipe, ctx)
-    try:
-        reports = runner.run()
-    finally:
-        uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own recipe
-    seconds = time.perf_counter() - start
-    summary = write_run_outputs(output, recipe, runner, reports, seconds)
-    print(summary["summary_line"])
+    result = run(
+        args.recipe, args.overrides, store=args.store, max_bytes=args.max_bytes, output=args.output,
+        quiet=args.quiet,
+    )
+    print(result.summary_line)
     return EXIT_OK
 
 
