@@ -15,8 +15,6 @@ CLI prints; nothing here calls ``sys.exit``.
 from __future__ import annotations
 
 import copy
-import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,17 +61,27 @@ def _override_texts(overrides: Overrides) -> list[str]:
     return texts
 
 
+def _plain(value: Any) -> Any:
+    """Tuples as lists (YAML has only sequences); everything else as it is."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def _yaml_value(key: str, value: Any) -> str:
-    """``value`` as YAML text that loads back to it (JSON is YAML; YAML spells the infinities its own way)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    """``value`` as the YAML text ``--set`` parses back to it (one line, flow style)."""
+    import yaml
+
     try:
-        return json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
+        text = yaml.safe_dump(_plain(value), default_flow_style=True, width=float("inf"))
+    except yaml.YAMLError:
         raise RecipeError(
             f"overrides[{key!r}]: {value!r} is not plain data (expected str, int, float, bool, None, "
             "or lists and dicts of them)"
         ) from None
+    return text.removesuffix("\n...\n").rstrip("\n")
 
 
 def load_recipe(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
