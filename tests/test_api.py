@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,36 @@ def test_cache_dataset_errors_say_how_to_fix(tiny: dict[str, Any]) -> None:
         )
     with pytest.raises(StageError, match="augment: expected feature_aug settings.*hflip"):
         pipeline.cache_dataset(tiny["path"], store=tiny["store"], augment={"hflip": 2})
+
+
+# ------------------------------------------------------------------------------------ example
+def run_example(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """examples/train_own_head.py as a user runs it, importing this checkout's pipeline."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "train_own_head.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_example_trains_its_own_head_from_the_cache(
+    tiny: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--recipe", str(tiny["path"]), "--store", str(tiny["store"]), "--workers", "2"]
+    # A 4-bit cache is not stored yet: the example builds it (the backbone is reused), then trains.
+    first = run_example(*common, "--set", "stages.quantized.bits=4", "--epochs", "2", cwd=tiny["base"])
+    assert first.returncode == 0, first.stderr
+    assert "building the cache tiny:cache" in first.stdout
+    assert "epoch 1: loss" in first.stdout and "2 loader workers" in first.stdout
+    accuracy = float(first.stdout.split("test accuracy ")[-1].split()[0])
+    assert 0.0 <= accuracy <= 1.0
+    # Again, in this process (no second interpreter start): now the cache is reused.
+    spec = importlib.util.spec_from_file_location("train_own_head", ROOT / "examples" / "train_own_head.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([*common, "--set", "stages.quantized.bits=4", "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "reusing the stored cache" in out and "building" not in out
+    assert example.main([*common, "--stage", "two_stage"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "'two_stage' is not a cache stage of the recipe; its cache stages: cache" in err
