@@ -137,6 +137,40 @@ def test_workers_and_ranks_see_every_sample_once(catalog: Catalog, fingerprint: 
         assert abs(len(orders[0]) - len(orders[1])) <= 1
 
 
+def _distributed_rank(root: str, rank: int, init: str, out: str) -> None:
+    """One rank of a 2-process gloo group: its ids of one epoch, read with 2 loader workers."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        data = CacheDataset(Catalog(root), FP, "train", shuffle=True, seed=9, batch_size=8, return_ids=True)
+        assert (data.rank, data.world_size) == (rank, 2)
+        data.set_epoch(3)
+        ids = ids_of(list(DataLoader(data, batch_size=None, num_workers=2)))
+        data.close()
+        Path(out).write_text(" ".join(map(str, ids)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_come_from_torch_distributed(catalog: Catalog, tmp_path: Path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    outs = [tmp_path / f"rank{r}.txt" for r in range(2)]
+    procs = [ctx.Process(target=_distributed_rank, args=(str(catalog.root), r, init, str(outs[r])))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    per_rank = [[int(i) for i in out.read_text().split()] for out in outs]
+    assert all(per_rank) and not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(COUNTS["train"]))
+
+
 def test_shuffle_is_seeded_and_changes_per_epoch(catalog: Catalog) -> None:
     def order(seed: int, epoch: int) -> list[int]:
         data = CacheDataset(catalog, FP, "train", shuffle=True, seed=seed, batch_size=8, return_ids=True)
