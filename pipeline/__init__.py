@@ -14,7 +14,7 @@ any stage; ``help(pipeline.run)`` and friends have the details)::
     # the stored cache as a torch IterableDataset, for a training loop of your own
     data = pipeline.cache_dataset(recipe, stage="cache", batch_size=32, shuffle=True, augment=True)
 
-    model, preprocess = pipeline.load_model("runs/quickstart/.../two_stage/model.pt")
+    loaded = pipeline.load_model(MODEL_FILE)          # a trained network, ready, and its preprocessing
 
 - :func:`load_recipe` — validate a recipe file, dict or Recipe, with overrides;
 - :func:`plan` — the stage graph with fingerprints and what is stored, no work done;

@@ -362,9 +362,10 @@ def cache_dataset(
     seeded order that changes with :meth:`~pipeline.data.cache_dataset.CacheDataset.set_epoch`.
     ``augment=True`` moves the feature maps as the recipe's ``feature_aug`` stage does for this
     cache (its defaults when there is none, or when reading by fingerprint); a dict gives
-    feature_aug settings. ``batch_size`` yields batches (give the ``DataLoader`` ``batch_size=None``);
-    without it, single samples. ``return_ids`` adds each sample's id. An incomplete or damaged
-    entry is an error naming it and what is wrong
+    feature_aug settings; with the recipe's ``seed`` as ``seed``, every sample of every epoch moves as
+    it does in the recipe's two_stage training. ``batch_size`` yields batches (give the
+    ``DataLoader`` ``batch_size=None``); without it, single samples. ``return_ids`` adds each
+    sample's id. An incomplete or damaged entry is an error naming it and what is wrong
     (:class:`~pipeline.data.cache_dataset.CacheEntryError`,
     :class:`~pipeline.data.cache_dataset.DamagedEntryError`).
 
@@ -384,6 +385,7 @@ def cache_dataset(
     from stores.catalog import Catalog
 
     from .data.cache_dataset import CacheDataset, CacheEntryError, find_entry
+    from .fingerprint import is_cacheable
     from .storepath import resolve_store
 
     recipe: Recipe | None = None
@@ -398,6 +400,11 @@ def cache_dataset(
         ctx = run_context(only, store=store, quiet=True)
         fingerprint = Runner(only, ctx).fingerprints[cache_stage]
         catalog = ctx.catalog
+        if not is_cacheable(fingerprint):
+            raise CacheEntryError(
+                f"stage {cache_stage!r} of {recipe.source} is never stored: {fingerprint}; "
+                "its run computes it afresh each time, so there is no entry to read"
+            )
         if not catalog.exists(fingerprint):
             unfinished = (catalog.staging_dir / fingerprint).exists()
             where = f"{recipe.source}" if recipe.source != "<dict>" else "the recipe"

@@ -283,7 +283,8 @@ class CacheDataset(IterableDataset[tuple[torch.Tensor, ...]]):
     # ---------------------------------------------------------------------------- facts
     @property
     def num_samples(self) -> int:
-        """Samples this rank yields per epoch (all of its workers together)."""
+        """Samples this rank yields per epoch, all of its workers together (``drop_last`` drops up to
+        ``batch_size - 1`` of them per worker)."""
         start, stop = shard_range(self.split_samples, self.rank, self.world_size)
         return stop - start
 
