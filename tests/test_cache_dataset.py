@@ -317,6 +317,9 @@ def test_damaged_entries_are_named(tmp_path: Path) -> None:
     where = r"aa6666666666, split 'train', chunk 1: .*cache repair aa6666666666"
     with pytest.raises(DamagedEntryError, match=where):
         list(data)
+    # From a DataLoader worker the error comes back as itself, the worker's traceback in its message.
+    with pytest.raises(DamagedEntryError, match=where):
+        list(DataLoader(data, batch_size=None, num_workers=1))
     data.close()
     # A missing chunk file: found from the manifest before any reading.
     chunks[2].unlink()
