@@ -15,17 +15,15 @@ import re
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .errors import PathPermissionError, PipelineError, Terminated, missing_dependency
+from .errors import PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -116,43 +114,16 @@ def _parser() -> argparse.ArgumentParser:
 def _context(
     args: argparse.Namespace, recipe: Any, *, output: Path | None, quiet: bool, writes: bool = False
 ) -> Any:
-    from stores.catalog import Catalog
+    from .api import run_context
 
-    from .context import RunContext
-    from .executors import executor_for
-    from .progress import Progress
-    from .storepath import resolve_store
-
-    store = resolve_store(getattr(args, "store", None), recipe.store.path, writable=writes)
-    # `is None`, not `or`: --max-bytes 0 is a budget of nothing, as store.max_bytes: 0 is.
-    cli_budget = getattr(args, "max_bytes", None)
-    max_bytes = cli_budget if cli_budget is not None else recipe.store.max_bytes
-    return RunContext(
-        catalog=Catalog(store, max_bytes=max_bytes),
-        output_dir=output,
-        seed=recipe.seed,
-        device=recipe.run.device,
-        recipe_name=recipe.name,
-        recipe_path=recipe.source,
-        progress=Progress(quiet=quiet),
-        recipe=recipe,
-        executor=executor_for(recipe),
+    return run_context(
+        recipe,
+        store=getattr(args, "store", None),
+        max_bytes=getattr(args, "max_bytes", None),
+        output=output,
+        quiet=quiet,
+        writes=writes,
     )
-
-
-def _warn_random_backbones(recipe: Any) -> None:
-    """Loudly, on stderr: a backbone the run uses that is random only because no weights were given."""
-    from .graph import Graph
-    from .stages.model import Backbone
-
-    graph = Graph(recipe)
-    consumed = {parent for name in graph.needed for parent in graph.edges[name].values()}
-    for name in graph.order:
-        stage = recipe.stages[name]
-        if name in consumed and isinstance(stage, Backbone):
-            warning = stage.random_init_warning(name)
-            if warning:
-                print(warning, file=sys.stderr)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -168,11 +139,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .api import random_backbone_warnings
     from .recipe import load_recipe
     from .runner import Runner
 
     recipe = load_recipe(args.recipe, args.overrides)
-    _warn_random_backbones(recipe)
+    for warning in random_backbone_warnings(recipe):
+        print(warning, file=sys.stderr)
     ctx = _context(args, recipe, output=None, quiet=True)
     rows = Runner(recipe, ctx).plan()
     if args.json:
@@ -206,68 +179,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _ended(exc: BaseException) -> tuple[str, str | None]:
-    """(status, message) a run record gives a run that ``exc`` ended."""
-    if isinstance(exc, Terminated):
-        return "terminated", "terminated by SIGTERM"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted", "interrupted (Ctrl-C)"
-    return "failed", None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from .recipe import load_recipe
-    from .report import failure_of, recording_skipped_samples, write_run_outputs
-    from .runner import Runner
-    from .threads import install as install_threads
-    from .threads import uninstall as uninstall_threads
+    from .api import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    _warn_random_backbones(recipe)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    output = Path(args.output) if args.output else Path("runs") / recipe.name / stamp
-    ctx = _context(args, recipe, output=output, quiet=args.quiet, writes=True)  # store checked first
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "metrics.jsonl").write_text("")
-    except PermissionError as exc:
-        raise PathPermissionError(
-            f"cannot write the run directory {output}: {exc.filename or output} is not writable by this user "
-            f"(uid {os.getuid()}); fix: give this user write access to it, or pass --output DIR"
-        ) from None
-    # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
-    # then adapted by the training loops (pipeline/threads.py).
-    install_threads(recipe.run.threads, log=ctx.progress.log)
-    start = time.perf_counter()
-    runner: Runner | None = None
-    with recording_skipped_samples() as skipped:
-        try:
-            try:
-                runner = Runner(recipe, ctx)
-                reports = runner.run()
-            finally:
-                # A later run in this process (tests, notebooks) starts from its own recipe.
-                uninstall_threads()
-        except BaseException as exc:
-            # Failed, Ctrl-C or SIGTERM: the run record says how far it got and why it stopped,
-            # then the error goes on to main() for its message and exit code.
-            status, message = _ended(exc)
-            done = list(runner.reports.values()) if runner is not None else []
-            try:
-                write_run_outputs(
-                    output, recipe, runner, done, time.perf_counter() - start, store=ctx.catalog.root,
-                    overrides=args.overrides, skipped=skipped, failure=failure_of(exc, status=status,
-                                                                                  message=message),
-                )
-                print(f"run record: {output / 'summary.json'}", file=sys.stderr)
-            except Exception as record_error:  # never hide the run's own error behind the record's
-                print(f"warning: could not write the run record in {output}: {record_error}", file=sys.stderr)
-            raise
-    seconds = time.perf_counter() - start
-    summary = write_run_outputs(
-        output, recipe, runner, reports, seconds, overrides=args.overrides, skipped=skipped
+    result = run(
+        args.recipe, args.overrides, store=args.store, max_bytes=args.max_bytes, output=args.output,
+        quiet=args.quiet,
     )
-    print(summary["summary_line"])
+    print(result.summary_line)
     return EXIT_OK
 
 

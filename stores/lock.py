@@ -305,12 +305,18 @@ class DirLock:
     ``acquire`` returns False if the directory is gone or (with ``blocking=False``) the
     lock is held incompatibly. ``same_as(path)`` tells whether ``path`` still names the
     locked directory — False once it was renamed away (evicted or removed).
+
+    The lock belongs to the process that took it. A forked child (a ``DataLoader`` worker)
+    inherits the descriptor, and an flock lives on the shared open file: unlocking it there
+    would drop the parent's lock. In the child, ``release`` (and garbage collection) only
+    closes its copy of the descriptor.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
+        self._owner = 0  # pid of the process that took the lock
         self.shared = False
 
     def __repr__(self) -> str:
@@ -346,6 +352,7 @@ class DirLock:
             raise
         st = os.fstat(fd)
         self._fd, self._ident, self.shared = fd, (st.st_ino, st.st_dev), shared
+        self._owner = os.getpid()
         return True
 
     def same_as(self, path: str | os.PathLike[str]) -> bool:
@@ -361,6 +368,9 @@ class DirLock:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None or fd < 0:
+            return
+        if self._owner != os.getpid():
+            os.close(fd)  # a forked copy: the lock stays with the process that took it
             return
         try:
             _unlock(fd)

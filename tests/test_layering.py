@@ -3,7 +3,7 @@
 An arrow means "may import"; nothing imports a layer above its own:
 
     5 cli       pipeline.cli, pipeline.cache_cli, pipeline.repair (the `cache repair` command's work),
-                pipeline.__main__
+                pipeline.__main__, pipeline.api (the Python API: what the commands do, as functions)
     4 config    pipeline.recipe, pipeline.registry
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
@@ -11,11 +11,13 @@ An arrow means "may import"; nothing imports a layer above its own:
     2 stages    pipeline.stages.*, pipeline.methods.*   (peers that never import each other:
                 a recipe stage type and a method meet only in the registry and the engine)
     1 parts     pipeline.ops.*, pipeline.models.*, pipeline.data.*, pipeline.codec.*
-    0 shared    pipeline (the package), pipeline.errors, spec, stage, context, stream, lazy, progress,
-                switches, storepath, heap, threads, fingerprint, ops.batching: importable from every
-                layer, and importing only each other (and stores). fingerprint.py is pure hashing
-                over shared types, and stages derive the keys of what they store through it;
-                ops.batching is the batch type streams (stream.py) are made of.
+    0 shared    pipeline (the package: it imports nothing; the API names it exports are looked up in
+                pipeline.api and the modules named there when first read), pipeline.errors, spec,
+                stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint,
+                ops.batching: importable from every layer, and importing only each other (and
+                stores). fingerprint.py is pure hashing over shared types, and stages derive the keys
+                of what they store through it; ops.batching is the batch type streams (stream.py)
+                are made of.
    -1 stores    stores.*: never imports pipeline.
 
 Counted as imports: ``import``/``from`` statements anywhere in a module (inside functions
@@ -40,7 +42,7 @@ SHARED = {
     "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__")),
+    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api")),
     (4, ("pipeline.recipe", "pipeline.registry")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),

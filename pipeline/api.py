@@ -1,0 +1,500 @@
+"""The Python API: what ``python -m pipeline`` does, callable from a script or a notebook.
+
+``import pipeline`` gives these names (loaded on first use, so importing the package stays cheap):
+
+- :func:`load_recipe` — a recipe file, dict or :class:`~pipeline.recipe.Recipe`, with overrides, validated;
+- :func:`plan` — what a run would compute and what it would reuse, without doing any work;
+- :func:`run` — run a recipe, as ``python -m pipeline run`` does, and get its results back;
+- :func:`cache_dataset` — a stored cache entry as a torch ``IterableDataset`` for a training loop of
+  your own (:mod:`pipeline.data.cache_dataset`).
+
+Errors are the toolkit's own (:mod:`pipeline.errors`, :mod:`stores.errors`), with the messages the
+CLI prints; nothing here calls ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import PathPermissionError, RecipeError, StageError, Terminated, did_you_mean
+from .recipe import Recipe, apply_overrides, recipe_from_dict
+from .recipe import load_recipe as _load_recipe_file
+
+if TYPE_CHECKING:
+    from .context import RunContext
+    from .data.cache_dataset import CacheDataset
+    from .runner import PlanRow, StageReport
+    from .stages.feature_aug import FeatureAugment
+
+__all__ = ["RunResult", "cache_dataset", "load_recipe", "plan", "run", "run_context"]
+
+RecipeLike = str | Path | Mapping[str, Any] | Recipe
+Overrides = Mapping[str, Any] | Sequence[str] | None
+
+
+# ------------------------------------------------------------------------------------- recipes
+def _override_texts(overrides: Overrides) -> list[str]:
+    """``{"stages.x.y": v}`` or ``["stages.x.y=v"]`` as the ``KEY=VALUE`` texts ``--set`` takes."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return [overrides]
+    if isinstance(overrides, Mapping):
+        texts = []
+        for key, value in overrides.items():
+            if not isinstance(key, str):
+                raise RecipeError(
+                    f"overrides: keys are dotted field paths like 'stages.cache.bits', got {key!r}"
+                )
+            texts.append(f"{key}={_yaml_value(key, value)}")
+        return texts
+    texts = list(overrides)
+    for text in texts:
+        if not isinstance(text, str):
+            raise RecipeError(f"overrides: expected 'KEY=VALUE' strings, got {text!r}")
+    return texts
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists (YAML has only sequences); everything else as it is."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _yaml_value(key: str, value: Any) -> str:
+    """``value`` as the YAML text ``--set`` parses back to it (one line, flow style)."""
+    import yaml
+
+    try:
+        text = yaml.safe_dump(_plain(value), default_flow_style=True, width=float("inf"))
+    except yaml.YAMLError:
+        raise RecipeError(
+            f"overrides[{key!r}]: {value!r} is not plain data (expected str, int, float, bool, None, "
+            "or lists and dicts of them)"
+        ) from None
+    return text.removesuffix("\n...\n").rstrip("\n")
+
+
+def load_recipe(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
+    """A validated recipe from a YAML file, a dict or a :class:`~pipeline.recipe.Recipe`, overrides applied.
+
+    ``overrides`` are what ``--set`` takes on the command line: ``{"stages.cache.bits": 4}`` or
+    ``["stages.cache.bits=4"]``. Errors (:class:`~pipeline.errors.RecipeError`) name the file, the
+    line or the override, the field and what was expected.
+
+    Example::
+
+        import pipeline
+
+        recipe = pipeline.load_recipe("recipes/quickstart.yaml", {"stages.quantized.bits": 4})
+        print(recipe.name, list(recipe.stages))
+    """
+    texts = _override_texts(overrides)
+    if isinstance(recipe, Recipe):
+        if not texts:
+            return recipe
+        data: dict[str, Any] = recipe.resolved_dict()
+        touched = apply_overrides(data, texts)
+        return recipe_from_dict(data, source=recipe.source, overridden=touched)
+    if isinstance(recipe, Mapping):
+        data = copy.deepcopy(dict(recipe))
+        touched = apply_overrides(data, texts)
+        return recipe_from_dict(data, source="<dict>", overridden=touched)
+    if isinstance(recipe, str | Path):
+        return _load_recipe_file(recipe, texts)
+    raise RecipeError(
+        f"expected a recipe file path, a dict or a Recipe, got {type(recipe).__name__}: {recipe!r}"
+    )
+
+
+# ----------------------------------------------------------------------------------- contexts
+def run_context(
+    recipe: Recipe,
+    *,
+    store: str | Path | None = None,
+    max_bytes: int | None = None,
+    output: Path | None = None,
+    quiet: bool = False,
+    writes: bool = False,
+) -> RunContext:
+    """The :class:`~pipeline.context.RunContext` a run of ``recipe`` uses (``--store``, ``--max-bytes``).
+
+    ``store`` overrides the recipe's ``store.path`` (then ``$ONDEVICE_TL_STORE``, then the per-user
+    cache); ``max_bytes`` overrides ``store.max_bytes``, 0 included. ``writes``: the run will write
+    to the store, so a store this user cannot write is refused now (exit 2), before any work.
+    """
+    from stores.catalog import Catalog
+
+    from .context import RunContext
+    from .executors import executor_for
+    from .progress import Progress
+    from .storepath import resolve_store
+
+    root = resolve_store(None if store is None else str(store), recipe.store.path, writable=writes)
+    budget = max_bytes if max_bytes is not None else recipe.store.max_bytes
+    return RunContext(
+        catalog=Catalog(root, max_bytes=budget),
+        output_dir=output,
+        seed=recipe.seed,
+        device=recipe.run.device,
+        recipe_name=recipe.name,
+        recipe_path=recipe.source,
+        progress=Progress(quiet=quiet),
+        recipe=recipe,
+        executor=executor_for(recipe),
+    )
+
+
+# ------------------------------------------------------------------------------------ plan, run
+def plan(
+    recipe: RecipeLike, overrides: Overrides = None, *, store: str | Path | None = None
+) -> list[PlanRow]:
+    """What running ``recipe`` would do, stage by stage, without doing it (``python -m pipeline plan``).
+
+    Each :class:`~pipeline.runner.PlanRow` has the stage's ``name``, ``type``, ``fingerprint``, its
+    ``inputs`` and its ``action``: ``reuse`` (stored), ``compute``, ``stream`` or ``index``.
+
+    Example::
+
+        import pipeline
+
+        for row in pipeline.plan("recipes/quickstart.yaml"):
+            print(f"{row.name:<20} {row.action:<8} {row.fingerprint[:12]}")
+    """
+    from .runner import Runner
+
+    resolved = load_recipe(recipe, overrides)
+    return Runner(resolved, run_context(resolved, store=store, quiet=True)).plan()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What :func:`run` returns.
+
+    ``summary``: the run's ``summary.json`` (``summary["metrics"]`` is the last target's);
+    ``run_dir``: where ``summary.json``, ``report.md``, ``metrics.jsonl`` and the stages' files are;
+    ``stages``: each stage's report (status computed/reused, fingerprint, seconds, metrics);
+    ``outputs``: what each target produced: a trainer's metrics dict, a model, a stream (to read a
+    stored cache, use :func:`cache_dataset`, which holds the entry while it reads).
+    """
+
+    recipe: Recipe
+    run_dir: Path
+    summary: dict[str, Any]
+    stages: dict[str, StageReport]
+    outputs: dict[str, Any]
+
+    @property
+    def summary_line(self) -> str:
+        return str(self.summary["summary_line"])
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last target's metrics (e.g. ``accuracy``), as ``summary.json`` records them."""
+        return dict(self.summary.get("metrics", {}))
+
+
+def run(
+    recipe: RecipeLike,
+    overrides: Overrides = None,
+    *,
+    store: str | Path | None = None,
+    max_bytes: int | None = None,
+    output: str | Path | None = None,
+    quiet: bool = False,
+) -> RunResult:
+    """Run a recipe as ``python -m pipeline run`` does: compute what is not stored, reuse what is.
+
+    ``overrides`` as for :func:`load_recipe`; ``store``/``max_bytes`` as ``--store``/``--max-bytes``;
+    ``output`` is the run directory (default ``runs/<recipe>/<UTC time>``); ``quiet`` silences the
+    progress lines (written to stderr). Raises the toolkit's errors (bad recipe, missing data, a
+    damaged store); an interrupted run raises ``KeyboardInterrupt`` with nothing partial committed.
+
+    Example::
+
+        import pipeline
+
+        result = pipeline.run("recipes/quickstart.yaml", {"stages.two_stage.train.epochs": 5})
+        print(result.summary_line)
+        print(result.outputs["two_stage"]["accuracy"], result.run_dir)
+    """
+    from .report import failure_of, recording_skipped_samples, write_run_outputs
+    from .runner import Runner
+    from .threads import install as install_threads
+    from .threads import uninstall as uninstall_threads
+
+    resolved = load_recipe(recipe, overrides)
+    for warning in random_backbone_warnings(resolved):
+        print(warning, file=sys.stderr)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(output) if output is not None else Path("runs") / resolved.name / stamp
+    # The store is checked first, so a bad store leaves no empty run directory behind.
+    ctx = run_context(resolved, store=store, max_bytes=max_bytes, output=run_dir, quiet=quiet, writes=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("")
+    except PermissionError as exc:
+        raise PathPermissionError(
+            f"cannot write the run directory {run_dir}: {exc.filename or run_dir} is not writable by this "
+            f"user (uid {os.getuid()}); fix: give this user write access to it, or pass --output DIR"
+        ) from None
+    given = _override_texts(overrides)
+    # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
+    # then adapted by the training loops (pipeline/threads.py).
+    install_threads(resolved.run.threads, log=ctx.progress.log)
+    start = time.perf_counter()
+    runner: Runner | None = None
+    with recording_skipped_samples() as skipped:
+        try:
+            try:
+                runner = Runner(resolved, ctx)
+                reports = runner.run()
+            finally:
+                uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own
+        except BaseException as exc:
+            # Failed, Ctrl-C or SIGTERM: the run record says how far it got and why it stopped, then
+            # the error goes on to the caller (the CLI gives its message and exit code).
+            status, message = _ended(exc)
+            done = list(runner.reports.values()) if runner is not None else []
+            try:
+                write_run_outputs(
+                    run_dir, resolved, runner, done, time.perf_counter() - start, store=ctx.catalog.root,
+                    overrides=given, skipped=skipped, failure=failure_of(exc, status=status, message=message),
+                )
+                print(f"run record: {run_dir / 'summary.json'}", file=sys.stderr)
+            except Exception as record_error:  # never hide the run's own error behind the record's
+                print(f"warning: could not write the run record in {run_dir}: {record_error}",
+                      file=sys.stderr)
+            raise
+    summary = write_run_outputs(
+        run_dir, resolved, runner, reports, time.perf_counter() - start, overrides=given, skipped=skipped
+    )
+    return RunResult(
+        recipe=resolved,
+        run_dir=run_dir,
+        summary=summary,
+        stages={r.name: r for r in reports},
+        outputs={name: runner.output(name) for name in runner.graph.targets},
+    )
+
+
+def _ended(exc: BaseException) -> tuple[str, str | None]:
+    """(status, message) a run record gives a run that ``exc`` ended."""
+    if isinstance(exc, Terminated):
+        return "terminated", "terminated by SIGTERM"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "interrupted (Ctrl-C)"
+    return "failed", None
+
+
+def random_backbone_warnings(recipe: Recipe) -> list[str]:
+    """A loud line for each backbone the run uses that is random only because no weights were given."""
+    from .graph import Graph
+    from .stages.model import Backbone
+
+    graph = Graph(recipe)
+    consumed = {parent for name in graph.needed for parent in graph.edges[name].values()}
+    warnings = []
+    for name in graph.order:
+        stage = recipe.stages[name]
+        if name in consumed and isinstance(stage, Backbone):
+            warning = stage.random_init_warning(name)
+            if warning:
+                warnings.append(warning)
+    return warnings
+
+
+# ------------------------------------------------------------------------------- cache_dataset
+def _looks_like_recipe(ref: object) -> bool:
+    if isinstance(ref, Recipe | Mapping | Path):
+        return True
+    return isinstance(ref, str) and (ref.endswith((".yaml", ".yml")) or Path(ref).is_file())
+
+
+def _cache_stage(recipe: Recipe, stage: str | None) -> str:
+    """The cacheable stream stage the dataset reads: ``stage``, or the recipe's only one."""
+    from .spec import STREAM
+
+    cached = [n for n, s in recipe.stages.items() if s.cacheable and s.kind == STREAM]
+    if stage is None:
+        if len(cached) == 1:
+            return cached[0]
+        raise StageError(
+            f"{recipe.source}: name the cache stage to read with stage=...; its stored streams: "
+            f"{', '.join(cached) or 'none (the recipe has no cache stage)'}"
+        )
+    if stage not in recipe.stages:
+        raise StageError(
+            f"{recipe.source}: no stage named {stage!r}{did_you_mean(stage, recipe.stages)}; "
+            f"its stored streams: {', '.join(cached) or 'none'}"
+        )
+    if stage not in cached:
+        found = recipe.stages[stage]
+        raise StageError(
+            f"{recipe.source}: stage {stage!r} ({found.type_name}) is not a stored stream, so it has no "
+            f"cache entry to read; its stored streams: {', '.join(cached) or 'none'}"
+        )
+    return stage
+
+
+def _recipe_augmentation(recipe: Recipe, cache_stage: str) -> FeatureAugment | None:
+    """The recipe's feature_aug stage reading ``cache_stage`` through a dequantize stage, if any."""
+    from .graph import Graph
+    from .stages.feature_aug import FeatureAugment
+    from .stages.quantize import Dequantize
+
+    edges = Graph(recipe).edges
+    for name, stage in recipe.stages.items():
+        parent = edges[name].get("input")
+        if isinstance(stage, FeatureAugment) and parent is not None:
+            source = edges[parent].get("input")
+            dequantizes = isinstance(recipe.stages[parent], Dequantize) and source == cache_stage
+            if dequantizes or parent == cache_stage:
+                return stage
+    return None
+
+
+def _augmentation(
+    augment: bool | Mapping[str, Any] | FeatureAugment, recipe: Recipe | None, cache_stage: str | None
+) -> FeatureAugment | None:
+    from pydantic import ValidationError
+
+    from .stages.feature_aug import FeatureAugment
+
+    if augment is False or augment is None:
+        return None
+    if isinstance(augment, FeatureAugment):
+        return augment
+    if augment is True:
+        found = None if recipe is None or cache_stage is None else _recipe_augmentation(recipe, cache_stage)
+        return found if found is not None else FeatureAugment(input=cache_stage or "cache")
+    if isinstance(augment, Mapping):
+        try:
+            return FeatureAugment.model_validate({"input": cache_stage or "cache", **augment})
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise StageError(
+                f"augment: expected feature_aug settings (crop_padding, hflip, splits, seed): {problems}"
+            ) from None
+    raise StageError(
+        f"augment: expected True/False, a dict of feature_aug settings or a FeatureAugment, got {augment!r}"
+    )
+
+
+def cache_dataset(
+    entry_or_recipe: RecipeLike,
+    split: str = "train",
+    *,
+    stage: str | None = None,
+    store: str | Path | None = None,
+    batch_size: int | None = None,
+    augment: bool | Mapping[str, Any] | FeatureAugment = False,
+    shuffle: bool = False,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    drop_last: bool = False,
+    return_ids: bool = False,
+    overrides: Overrides = None,
+) -> CacheDataset:
+    """One split of a stored cache entry as a torch ``IterableDataset`` of dequantized ``(x, y)``.
+
+    ``entry_or_recipe``: a fingerprint prefix (as ``python -m pipeline cache ls`` prints it), or a
+    recipe (file, dict or Recipe, with ``overrides``) and ``stage``, the cache stage to read (may be
+    left out when the recipe has only one). The entry must be stored: run the recipe first.
+    ``store``: the store directory (default: the recipe's, else ``$ONDEVICE_TL_STORE`` or the
+    per-user cache).
+
+    Every sample comes exactly once per epoch across ``DataLoader`` workers and distributed ranks
+    (``rank``/``world_size``, default ``torch.distributed``'s when initialised). ``shuffle``: a
+    seeded order that changes with :meth:`~pipeline.data.cache_dataset.CacheDataset.set_epoch`.
+    ``augment=True`` moves the feature maps as the recipe's ``feature_aug`` stage does for this
+    cache (its defaults when there is none, or when reading by fingerprint); a dict gives
+    feature_aug settings; with the recipe's ``seed`` as ``seed``, every sample of every epoch moves as
+    it does in the recipe's two_stage training. ``batch_size`` yields batches (give the
+    ``DataLoader`` ``batch_size=None``); without it, single samples. ``return_ids`` adds each
+    sample's id. An incomplete or damaged entry is an error naming it and what is wrong
+    (:class:`~pipeline.data.cache_dataset.CacheEntryError`,
+    :class:`~pipeline.data.cache_dataset.DamagedEntryError`).
+
+    Example::
+
+        import pipeline
+        from torch.utils.data import DataLoader
+
+        data = pipeline.cache_dataset("recipes/quickstart.yaml", stage="cache", batch_size=32,
+                                      shuffle=True, augment=True)
+        loader = DataLoader(data, batch_size=None, num_workers=2)
+        for epoch in range(10):
+            data.set_epoch(epoch)
+            for x, y in loader:
+                ...  # x: (32, C, H, W) float32 feature maps, y: (32,) labels
+    """
+    from stores.catalog import Catalog
+
+    from .data.cache_dataset import CacheDataset, CacheEntryError, find_entry
+    from .fingerprint import is_cacheable
+    from .storepath import resolve_store
+
+    recipe: Recipe | None = None
+    cache_stage: str | None = None
+    if _looks_like_recipe(entry_or_recipe):
+        from .runner import Runner
+
+        recipe = load_recipe(entry_or_recipe, overrides)
+        cache_stage = _cache_stage(recipe, stage)
+        # Resolve only what the cache stage needs: its fingerprint does not depend on the targets.
+        only = recipe.model_copy(update={"targets": (cache_stage,)})
+        ctx = run_context(only, store=store, quiet=True)
+        fingerprint = Runner(only, ctx).fingerprints[cache_stage]
+        catalog = ctx.catalog
+        if not is_cacheable(fingerprint):
+            raise CacheEntryError(
+                f"stage {cache_stage!r} of {recipe.source} is never stored: {fingerprint}; "
+                "its run computes it afresh each time, so there is no entry to read"
+            )
+        if not catalog.exists(fingerprint):
+            unfinished = (catalog.staging_dir / fingerprint).exists()
+            where = f"{recipe.source}" if recipe.source != "<dict>" else "the recipe"
+            raise CacheEntryError(
+                f"stage {cache_stage!r} of {where} is "
+                + ("incomplete (its build is running or was interrupted)" if unfinished else "not stored yet")
+                + f" in store {catalog.root} (fingerprint {fingerprint[:12]}); build it first: "
+                f"pipeline.run(..., overrides={{'targets': [{cache_stage!r}]}}) or "
+                f"`python -m pipeline run RECIPE --set targets=[{cache_stage}]`"
+            )
+    elif isinstance(entry_or_recipe, str):
+        if stage is not None or overrides is not None:
+            raise CacheEntryError(
+                "stage and overrides name a stage of a recipe; with a fingerprint prefix "
+                f"({entry_or_recipe!r}) the entry is already named"
+            )
+        catalog = Catalog(resolve_store(None if store is None else str(store), None, create=False),
+                          create=False)
+        fingerprint = find_entry(catalog, entry_or_recipe)
+    else:
+        raise CacheEntryError(
+            "expected a fingerprint prefix (as `python -m pipeline cache ls` prints it) or a recipe "
+            f"(file, dict or Recipe) and a stage, got {type(entry_or_recipe).__name__}: {entry_or_recipe!r}"
+        )
+    feature_aug = _augmentation(augment, recipe, cache_stage)
+    if feature_aug is not None and split not in feature_aug.splits:
+        raise StageError(
+            f"augment applies to split(s) {', '.join(feature_aug.splits)} (feature_aug's splits), not "
+            f"{split!r}: evaluation reads the features as they are"
+        )
+    return CacheDataset(
+        catalog, fingerprint, split, batch_size=batch_size, augment=feature_aug, shuffle=shuffle,
+        seed=seed, rank=rank, world_size=world_size, drop_last=drop_last, return_ids=return_ids,
+    )
