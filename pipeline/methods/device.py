@@ -17,7 +17,7 @@ here, so CPU and CUDA share one code path that differs only where the hardware d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -151,31 +151,3 @@ def out_of_memory(exc: BaseException, *, stage: str, batch_size: int | None, set
         f"stage {stage!r} ran out of memory on {device}{at} during {during}: {detail}; {fix}. "
         "A checkpointed trainer continues from its last finished epoch when run again"
     )
-
-
-def reset_peak(device: torch.device | str) -> None:
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_allocated(device: torch.device | str) -> int:
-    """Bytes the CUDA caching allocator had allocated at its peak since :func:`reset_peak`."""
-    device = torch.device(device)
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device))
-
-
-def guarded(fn: Callable[..., Any], *, stage: str, batch_size: int | None, setting: str | None,
-            device: torch.device | str, during: str) -> Callable[..., Any]:
-    """``fn`` with an out-of-memory error turned into :func:`out_of_memory`'s."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            raise out_of_memory(exc, stage=stage, batch_size=batch_size, setting=setting, device=device,
-                                during=during) from None
-
-    return call

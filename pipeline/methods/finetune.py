@@ -162,6 +162,7 @@ class Finetune(Stage):
         net = seeded_net(ArchConfig.of(inputs["model"]), self.seed)
         shape = self._top_input_shape(inputs, net, n)
         bottom, top, adapted = self.prepare(net, n, data.num_classes, shape)
+        top.to(ctx.torch_device)  # metered where it trains: on CUDA the allocator's peak is read too
         fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure)
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp

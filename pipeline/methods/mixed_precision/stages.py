@@ -170,11 +170,16 @@ class PartitionSearch(Stage):
         name = call.name
         model_value: ModelValue = inputs["model"]
         net = model_value.build(seed=self.seed).eval()  # as if seeded, then constructed
-        lg = graph.layer_graph(net)
+        lg = graph.layer_graph(net)  # traced on the CPU, before the network moves to the device
         cuts = candidate_cuts(lg, self.cut_granularity)
         layers = [layer for layer in lg.layers if layer != lg.classifier]
         calib_x, _ = self._images(inputs["input"], self.calibration_split, self.calibration_samples, False)
         x, y = self._images(inputs["input"], self.eval_split, self.max_samples, True)
+        # Fake quantization runs where the run does (its weights and the evaluation images moved once):
+        # every one of the search's evaluations is a forward pass on the device.
+        device = ctx.torch_device
+        net.to(device)
+        x, y = x.to(device), y.to(device)
         if len(x) < self.max_samples:
             ctx.progress.log(f"[{name}] {self.eval_split} has only {len(x)} samples (max_samples "
                              f"{self.max_samples}); using all of them")
