@@ -281,6 +281,8 @@ class Finetune(Stage):
             "epoch_seconds_steady": (sum(epoch_times[1:]) / (len(epoch_times) - 1)) if len(epoch_times) > 1
             else epoch_times[0],
             "epoch_seconds_all": epoch_times,
+            "train_loss_all": [h["train_loss"] for h in result.history],
+            "val_accuracy_all": [h.get("val_acc") for h in result.history],
             "cache_bytes": stream.stored_bytes() if self.mode == "two_stage" else 0,
             "bits": quantization.bits if quantization is not None else 32,
             "mode": self.mode,
