@@ -55,7 +55,7 @@ def write_recipe(tmp: Path, name: str, *, pretrain_epochs: int = 2, finetune_epo
 
 
 def kill_after_first_checkpoint(recipe: Path, store: Path, out: Path, pattern: str) -> None:
-    """Start the run, SIGKILL it as soon as a checkpoint matching ``pattern`` appears in the store's staging."""
+    """Start the run; SIGKILL it once a checkpoint matching ``pattern`` appears in the store's staging."""
     proc = start_pipeline(recipe, store, out, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     try:
@@ -160,7 +160,8 @@ def test_trainer_ignores_a_checkpoint_written_under_another_key(tmp_path: Path, 
     model = torch.nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(3)]
     cfg = TrainConfig(epochs=2)
-    train(model, model.parameters(), lambda e: iter(data), None, cfg, checkpoint_dir=tmp_path, resume_key="fp")
+    train(model, model.parameters(), lambda e: iter(data), None, cfg, checkpoint_dir=tmp_path,
+          resume_key="fp")
     fresh = torch.nn.Linear(4, 2)
     result = train(fresh, fresh.parameters(), lambda e: iter(data), None, cfg, checkpoint_dir=tmp_path,
                    resume_key=key)

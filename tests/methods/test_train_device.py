@@ -105,6 +105,43 @@ def test_amp_policy_state_round_trips_and_refuses_another_precision() -> None:
         AmpPolicy("fp32", "cpu").load_state_dict(amp.state_dict())
 
 
+# ------------------------------------------------------------------------------------ resume in-process
+class Interrupted(Exception):
+    pass
+
+
+def stop_after_epoch_0(record: dict) -> None:
+    raise Interrupted  # after last.pt: what a kill between epochs leaves behind
+
+
+def test_an_interrupted_loop_resumes_bit_identical_with_dropout_and_bf16(tmp_path: Path) -> None:
+    def dropout_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    cfg = TrainConfig(epochs=3, lr=0.02, precision="bf16", grad_clip=1.0, warmup_epochs=0.5)
+    whole = dropout_model()
+    want = train(whole, whole.parameters(), lambda e: batches(TRAIN), lambda: batches(VAL), cfg,
+                 checkpoint_dir=tmp_path / "a", resume_key="k")
+    part = dropout_model()
+    with pytest.raises(Interrupted):
+        train(part, part.parameters(), lambda e: batches(TRAIN), lambda: batches(VAL), cfg,
+              checkpoint_dir=tmp_path / "b", resume_key="k", on_epoch=stop_after_epoch_0)
+    torch.manual_seed(12345)  # the resumed process's RNG is not where the killed one's was
+    again = dropout_model()
+    logged: list[str] = []
+    got = train(again, again.parameters(), lambda e: batches(TRAIN), lambda: batches(VAL), cfg,
+                checkpoint_dir=tmp_path / "b", resume_key="k", log=logged.append)
+    assert got.resumed_from == 1 and logged and "after epoch 0" in logged[0]
+    assert [h["train_loss"] for h in got.history] == [h["train_loss"] for h in want.history]
+    assert (got.best_val_acc, got.best_epoch) == (want.best_val_acc, want.best_epoch)
+    for (k, a), b in zip(whole.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    saved = torch.load(tmp_path / "b" / "last.pt", weights_only=True)  # plain tensors and values only
+    assert saved["epoch"] == 3 and saved["fingerprint"] == "k" and set(saved["rng"]) >= {"torch", "python",
+                                                                                         "numpy"}
+
+
 # ------------------------------------------------------------------------------------ batches
 def test_batches_to_a_cpu_device_are_unchanged_and_labels_int64() -> None:
     x, y = torch.randn(4, 2), torch.tensor([0, 1, 2, 1], dtype=torch.int32)
