@@ -177,7 +177,8 @@ RECIPE: dict[str, Any] = {
                      "train": {"epochs": 1}},
         "tinytl": {"type": "finetune", "mode": "single_stage", "model": "backbone", "images": "images",
                    "train_last_blocks": 4, "batch_size": 16,
-                   "method": {"type": "tinytl", "mode": "lite_bias"}, "train": {"epochs": 1, "precision": "bf16"}},
+                   "method": {"type": "tinytl", "mode": "lite_bias"},
+                   "train": {"epochs": 1, "precision": "bf16"}},
     },
     "targets": ["single", "mobiletl", "tinytl"],
 }
