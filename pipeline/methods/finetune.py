@@ -287,6 +287,7 @@ class Finetune(Stage):
             "bits": quantization.bits if quantization is not None else 32,
             "mode": self.mode,
             "train_last_blocks": n,
+            "top_input_shape": list(shape),
             "trainable_parameters": sum(p.numel() for p in params),
             "method": adapted.method,
             "precision": self.precision,
