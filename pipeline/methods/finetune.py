@@ -196,6 +196,8 @@ class Finetune(Stage):
         metrics = self._train(ctx, inputs, call, staging)
         metrics.update(self.result_extras(call))
         (staging / CHECKPOINT_FILE).unlink(missing_ok=True)  # the entry is the result; resume is over
+        for stray in staging.glob(".*.tmp"):  # a weights write a kill interrupted: never data
+            stray.unlink()
         atomic_write_bytes(staging / RESULT_FILE, json.dumps(metrics, default=float).encode())
         return {"accuracy": metrics["accuracy"], "mode": self.mode}
 
