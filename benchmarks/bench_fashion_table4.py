@@ -8,7 +8,7 @@ rows differ only in where the training batches come from. Reports test accuracy
 checks the paper's findings: 2- and 4-bit within about a point of the baseline,
 1-bit clearly lower, no feature augmentation lower.
 
-On a GPU (``--device cuda``, written to ``cache_reuse_fashion_table4_cuda.json`` with the GPU named),
+On a GPU (``--device cuda``, written to ``cache_reuse_fashion_table4_<R>px_cuda.json`` with the GPU named),
 ``--resolution 96`` (or 128) upsamples the 28x28 images so the cached maps at the cut are at least 7x7
 (12x12 at 96 px for this small-input MobileNetV2; 4x4 at the CPU run's 32 px), the setting of the paper,
 to check whether "no feature augmentation is lower" holds where a one-cell feature shift is small.
@@ -143,7 +143,8 @@ def main() -> None:
         )
     print(f"findings: {findings}")
     path = write_result(
-        result_name("cache_reuse_fashion_table4", device),
+        # One file per resolution and device: cache_reuse_fashion_table4[_96px][_cuda].json
+        result_name("cache_reuse_fashion_table4" + (f"_{args.resolution}px" if args.resolution else ""), device),
         {
             "question": "test accuracy of Cache & Reuse rows (Table 4 structure) on the Fashion-MNIST "
             "transfer task",
