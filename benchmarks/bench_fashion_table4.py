@@ -142,9 +142,10 @@ def main() -> None:
             f"{r['epoch_seconds_steady']:>9.3f}{r['cache_bytes'] / 1024:>10.1f}Ki"
         )
     print(f"findings: {findings}")
+    # One file per resolution and device: cache_reuse_fashion_table4[_96px][_cuda].json
+    name = "cache_reuse_fashion_table4" + (f"_{args.resolution}px" if args.resolution else "")
     path = write_result(
-        # One file per resolution and device: cache_reuse_fashion_table4[_96px][_cuda].json
-        result_name("cache_reuse_fashion_table4" + (f"_{args.resolution}px" if args.resolution else ""), device),
+        result_name(name, device),
         {
             "question": "test accuracy of Cache & Reuse rows (Table 4 structure) on the Fashion-MNIST "
             "transfer task",
