@@ -6,9 +6,10 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 # Used when the terminal does not say how wide it is: a serial console, or `docker run -t`, whose
 # pseudo-terminal reports 0 columns until a client resizes it. tqdm then draws no bar at all.
@@ -39,6 +40,8 @@ class Progress:
     def bar(self, total: int | None, desc: str, unit: str = "it") -> Iterator[tqdm]:
         # The width is read once per bar (bars are per epoch or per build), so a terminal that
         # reports 0 columns gets a usable width instead of tqdm's dynamic 0.
+        from tqdm import tqdm  # here, not at import: recipes validate where only pyyaml and pydantic are
+
         ncols = terminal_columns(self.stream) if self.enabled else None
         bar = tqdm(total=total, desc=desc, unit=unit, disable=not self.enabled, file=self.stream,
                    leave=False, ncols=ncols, dynamic_ncols=False)
@@ -52,6 +55,8 @@ class Progress:
         if not self.quiet:
             # A bar on this terminal is drawn in place: write the line above it, not through it.
             if self.enabled:
+                from tqdm import tqdm
+
                 tqdm.write(message, file=self.stream)
                 self.stream.flush()
             else:
