@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,13 +196,27 @@ def test_cli_reports_out_of_memory_as_a_failure_while_working(monkeypatch: pytes
 
 
 # ------------------------------------------------------------------------------------ progress bars
+class RecordedBars(Progress):
+    """A terminal's Progress that remembers each bar: (description, total, unit, steps counted)."""
+
+    def __init__(self) -> None:
+        super().__init__(stream=FakeTTY())
+        self.bars: list[list] = []
+
+    @contextmanager
+    def bar(self, total: int | None, desc: str, unit: str = "it") -> Iterator[Any]:
+        with super().bar(total, desc, unit) as bar:
+            yield bar
+            self.bars.append([desc, total, unit, bar.n])
+
+
 def test_epoch_loop_shows_a_bar_per_epoch() -> None:
-    out = FakeTTY()
+    bars = RecordedBars()
     net = model()
     train(net, net.parameters(), lambda e: batches(TRAIN), None, TrainConfig(epochs=2), checkpoint_dir=None,
-          bars=Progress(stream=out), label="top", steps_per_epoch=6)
-    text = out.getvalue()
-    assert "top: epoch 1/2" in text and "top: epoch 2/2" in text and "6/6" in text and "batch" in text
+          bars=bars, label="top", steps_per_epoch=6)
+    assert bars.bars == [["top: epoch 1/2", 6, "batch", 6], ["top: epoch 2/2", 6, "batch", 6]]
+    assert "top: epoch 1/2" in bars.stream.getvalue()  # drawn on the (fake) terminal
 
 
 def test_a_terminal_reporting_zero_columns_still_gets_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,3 +248,22 @@ def test_log_lines_go_above_a_bar_on_a_terminal() -> None:
     piped = io.StringIO()
     Progress(stream=piped).log("plain")
     assert piped.getvalue() == "plain\n"
+
+
+def test_pretrain_and_finetune_stages_show_their_epoch_bars(tmp_path: Path) -> None:
+    r = recipe_from_dict({"name": "bars", "run": {"threads": 1}, "stages": {
+        "data": {"type": "synthetic", "num_samples": 60, "num_classes": 3, "size": 16},
+        "split": {"type": "split", "input": "data"},
+        "backbone": {"type": "pretrain", "input": "split", "arch": "mobilenet_v2", "width_mult": 0.35,
+                     "small_input": True, "resolution": 16, "batch_size": 16, "train": {"epochs": 2}},
+        "images": {"type": "decode", "input": "split", "resolution": 16},
+        "top": {"type": "finetune", "mode": "single_stage", "model": "backbone", "images": "images",
+                "train_last_blocks": 2, "batch_size": 16, "train": {"epochs": 1}, "memory_report": False},
+    }})
+    bars = RecordedBars()
+    ctx = RunContext(catalog=Catalog(tmp_path / "s"), progress=bars)
+    Runner(r, ctx).run()
+    epochs = [(desc, unit) for desc, _, unit, _ in bars.bars if "epoch" in desc]
+    assert epochs == [("backbone: epoch 1/2", "batch"), ("backbone: epoch 2/2", "batch"),
+                      ("top: epoch 1/1", "batch")]
+    assert all(total == n for desc, total, _, n in bars.bars if "epoch" in desc)  # every step counted
