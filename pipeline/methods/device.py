@@ -132,10 +132,6 @@ def module_device(model: nn.Module) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------- memory
-def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError)
-
-
 def out_of_memory(exc: BaseException, *, stage: str, batch_size: int | None, setting: str | None,
                   device: torch.device | str, during: str) -> DeviceMemoryError:
     """The error a user sees when ``during`` (e.g. "training, epoch 2") ran out of memory on ``device``."""
