@@ -11,10 +11,14 @@ what backpropagation needs on the same model (the profiler's line for the whole 
 - ``below_bp``: 90% of what backpropagation needs at batch size 1 (it cannot run at all);
 - ``bp4`` / ``bp16`` / ``bp64``: what backpropagation needs at batch 4 / 16 / 64.
 
-Memory is the toolkit's training-memory meter (saved tensors + weights + gradients + optimizer state).
+Memory on a CPU is the toolkit's training-memory meter (saved tensors + weights + gradients + optimizer
+state). With ``--device cuda`` it is the paper's setting: every layer, and backpropagation's whole network,
+profiled with ``torch.cuda.max_memory_allocated`` over one real training step, so NeuroFlux and backprop
+are compared at equal GPU memory budgets; the result goes to ``neuroflux_cuda.json`` with the GPU named.
 Training time includes profiling, spill writes and per-epoch validation for every method.
 
 Usage: python -m benchmarks.bench_neuroflux [--archs vgg11 vgg16 resnet18] [--epochs 4] [--per-class 500]
+       [--device cuda] [--quick]   (--quick: a few minutes' check of the code path, written under /tmp)
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import yaml
 
 from benchmarks._meta import RESULTS_DIR, write_result
+from benchmarks._train_device import device_info, require_device, result_name
 from pipeline.context import RunContext
 from pipeline.errors import StageError
 from pipeline.methods.neuroflux.exit import ExitCandidate, choose_exit
@@ -48,20 +53,24 @@ TOLERANCES = (0.005, 0.01, 0.02)
 BUDGETS = {"below_bp": (0.9, 1), "bp4": (1.0, 4), "bp16": (1.0, 16), "bp64": (1.0, 64)}
 
 
-def bp_profile(arch: str, width: float) -> Any:
-    net = build_layer_net(arch, 10, width_mult=width, seed=0)
+def bp_profile(arch: str, width: float, device: torch.device) -> Any:
+    net = build_layer_net(arch, 10, width_mult=width, seed=0).to(device)
     return profile_module(
-        "the whole network", net, (3, 32, 32), num_classes=10, optimizer="adamw", batches=DEFAULT_BATCHES
+        "the whole network", net, (3, 32, 32), num_classes=10, optimizer="adamw", batches=DEFAULT_BATCHES,
+        device=device,
     )
 
 
-def run_stage(base: dict[str, Any], store: Path, name: str, stage: dict[str, Any]) -> dict[str, Any]:
+def run_stage(
+    base: dict[str, Any], store: Path, name: str, stage: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
     recipe = copy.deepcopy(base)
     recipe["stages"] = {k: v for k, v in recipe["stages"].items() if k in ("fmnist", "data", "images")}
     recipe["stages"][name] = stage
     recipe["targets"] = [name]
     r = recipe_from_dict(recipe)
-    ctx = RunContext(catalog=Catalog(store), recipe_name=r.name, progress=Progress(quiet=True))
+    ctx = RunContext(catalog=Catalog(store), recipe_name=r.name, progress=Progress(quiet=True),
+                     device=str(device))
     start = time.perf_counter()
     try:
         metrics = next(rep for rep in Runner(r, ctx).run() if rep.name == name).metrics
@@ -156,6 +165,11 @@ def main() -> None:
     ap.add_argument("--width", type=float, default=0.25)
     ap.add_argument("--target", type=float, default=0.85)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: budgets read from the CUDA allocator")
+    ap.add_argument("--quick", action="store_true",
+                    help="check the code path in minutes: vgg11 at bp16, 1 epoch, 20 images per class, "
+                    "written to /tmp unless --output-dir is given")
+    ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results")
     ap.add_argument(
         "--resummarize",
         action="store_true",
@@ -169,16 +183,22 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=2, default=float) + "\n")
         print(yaml.safe_dump(data["summary"], sort_keys=False))
         return
+    device = require_device(args.device)
+    if args.quick:
+        args.archs, args.budgets, args.epochs, args.per_class = args.archs[:1], ["bp16"], 1, 20
+        args.output_dir = args.output_dir or Path(tempfile.gettempdir()) / "bench-quick"
     torch.set_num_threads(args.threads)
     base = yaml.safe_load(RECIPE.read_text())
     base["stages"]["data"]["per_class"] = args.per_class
+    if args.quick:  # 400 images of the official test split are enough to see the path run
+        base["stages"]["data"].update(use_official_test=False, test_fraction=0.2)
     train = {**base["stages"]["neuroflux"]["train"], "epochs": args.epochs}
     rows: list[dict[str, Any]] = []
     profiles = {}
     with tempfile.TemporaryDirectory(prefix="bench-neuroflux-") as tmp:
         store = Path(tmp) / "store"
         for a, arch in enumerate(args.archs):
-            fit = bp_profile(arch, args.width)
+            fit = bp_profile(arch, args.width, device)
             profiles[arch] = fit.as_dict()
             budgets = args.budgets if a == 0 else ["bp16"]
             for label in budgets:
@@ -202,7 +222,7 @@ def main() -> None:
                     if label == "bp16":  # spill storage with quantization
                         methods["neuroflux_spill8"] = {"type": "neuroflux", "spill": {"bits": 8}, **common}
                 for method, stage in methods.items():
-                    result = run_stage(base, store, method, stage)
+                    result = run_stage(base, store, method, stage, device)
                     result.update(arch=arch, budget=label, budget_mib=mib, method=method)
                     rows.append(result)
                     shown = {
@@ -221,13 +241,16 @@ def main() -> None:
 
     summary = summarize(rows, args.archs[0])
     print(yaml.safe_dump(summary, sort_keys=False))
-    write_result(
-        "neuroflux",
+    path = write_result(
+        result_name("neuroflux", device),
         {
             "question": "NeuroFlux vs backprop vs classic local learning at equal training-memory budgets: "
             "time, time to target, accuracy, early-exit compression, spill size, profiler fit",
+            "device": device_info(device),
+            "memory_measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda"
+            else "training-memory meter",
             "settings": {
-                **vars(args),
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "recipe": str(RECIPE.relative_to(RECIPE.parents[2])),
                 "budgets": {k: f"{s} x backprop's memory at batch {b}" for k, (s, b) in BUDGETS.items()},
                 "data": "Fashion-MNIST (Debian package): per_class x 10 train, 2% of the official train "
@@ -237,7 +260,9 @@ def main() -> None:
             "rows": rows,
             "summary": summary,
         },
+        directory=args.output_dir,
     )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

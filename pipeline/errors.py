@@ -74,3 +74,12 @@ def missing_dependency(exc: ModuleNotFoundError) -> str:
         "install the project into it (`pip install -e .` in the repository, as the README's first "
         "command does)"
     )
+
+
+class DeviceMemoryError(OSError):
+    """The device (GPU, or the CPU's RAM) ran out of memory while working.
+
+    An ``OSError`` rather than a :class:`PipelineError` on purpose: the recipe is valid and the
+    machine could not hold it at this size, so the CLI reports a failure while working (exit 1),
+    not bad input (exit 2). The message names the stage, the batch size and the setting to lower.
+    """

@@ -47,12 +47,13 @@ def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None =
     if not names:
         raise StageError(f"memory: recipe {recipe.name} has no trainer stage among its targets")
     runner = Runner(recipe, ctx)
-    text = [f"training memory of {recipe.name} ({recipe.source}), one step per trainer"]
-    out: dict[str, Any] = {"recipe": recipe.name, "stages": {}}
+    text = [f"training memory of {recipe.name} ({recipe.source}), one step per trainer, "
+            f"on {ctx.torch_device}"]
+    out: dict[str, Any] = {"recipe": recipe.name, "device": str(ctx.torch_device), "stages": {}}
     for name in names:
         stage: Finetune = recipe.stages[name]  # type: ignore[assignment]
         if not isinstance(stage, Finetune):
-            plan_text, plan = stage.memory_plan(runner.specs[stage.input])
+            plan_text, plan = stage.memory_plan(runner.specs[stage.input], device=ctx.torch_device)
             text += ["", f"[{name}] {stage.type_name}, budget {plan['budget_mib']:.2f} MiB", plan_text]
             out["stages"][name] = plan
             continue

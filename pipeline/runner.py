@@ -190,8 +190,9 @@ class Runner:
             else:
                 value = stage.run(self.ctx, inputs, call)
             if stage.kind == RESULT and isinstance(value, dict):
-                report.metrics = value
                 report.bytes_written = int(value.get("bytes_written", 0))
+        if stage.kind == RESULT and isinstance(value, dict):  # a stored result (finetune) reports it too
+            report.metrics = value
         report.seconds = time.perf_counter() - start
         self.reports[name] = report
         self._outputs[name] = value

@@ -15,14 +15,17 @@ from images. Each trainer logs its training-memory footprint (``pipeline.models.
 
 from __future__ import annotations
 
-import tempfile
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from ..errors import StageError
+from stores.durable import atomic_write_bytes
+
+from ..errors import ModelError, StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
 from ..models.weights import load_weights
@@ -31,10 +34,14 @@ from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage, StageCall
 from ..stream import Stream
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
+from .checkpoint import CHECKPOINT_FILE
+from .device import check_precision, out_of_memory
 from .trainer import TrainConfig, evaluate, train
 
 if TYPE_CHECKING:
     import torch
+
+    from stores.catalog import Entry
 
     from ..context import RunContext
     from ..models import memory, zoo
@@ -45,6 +52,9 @@ else:
     memory = lazy_module("pipeline.models.memory")
     zoo = lazy_module("pipeline.models.zoo")
 
+RESULT_FILE = "result.json"
+BEST_FILE = "best.pt"  # the top's (single_stage: the whole network's) weights chosen on validation data
+
 
 class Finetune(Stage):
     """Train the top blocks + classifier: two_stage from cached features, or the single_stage baseline."""
@@ -53,6 +63,10 @@ class Finetune(Stage):
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"memory_report", "prefetch"})
+    # The trained result is a store entry keyed by the fingerprint: an identical rerun reuses it, and a
+    # killed run continues from the last epoch checkpointed in its staging directory.
+    cacheable: ClassVar[bool] = True
+    resumable: ClassVar[bool] = True
 
     model: str
     images: str | None = Field(None, description="image stream (single_stage)")
@@ -148,6 +162,7 @@ class Finetune(Stage):
         net = seeded_net(ArchConfig.of(inputs["model"]), self.seed)
         shape = self._top_input_shape(inputs, net, n)
         bottom, top, adapted = self.prepare(net, n, data.num_classes, shape)
+        top.to(ctx.torch_device)  # metered where it trains: on CUDA the allocator's peak is read too
         fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure)
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp
@@ -161,9 +176,48 @@ class Finetune(Stage):
         data = inputs["features" if self.mode == "two_stage" else "images"]
         for split in ("train", "val"):
             data.split(split, stage=self.type_name)
+        check_precision(self.precision, ctx.torch_device)
         return Spec(RESULT, data.num_classes, meta={"mode": self.mode})
 
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+    @property
+    def precision(self) -> str:
+        """The training precision (``train.precision``; ``finetune_mixed`` sets its own)."""
+        return self.train.precision
+
+    def result_extras(self, call: StageCall) -> dict[str, Any]:
+        """Metrics a subclass adds to the stored result."""
+        return {}
+
+    def build(
+        self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
+    ) -> dict[str, Any]:
+        """Train into ``staging`` (a store entry keyed by this stage's fingerprint): ``best.pt`` and
+        ``result.json`` are kept; ``last.pt`` lets a killed build continue from its last epoch."""
+        metrics = self._train(ctx, inputs, call, staging)
+        metrics.update(self.result_extras(call))
+        (staging / CHECKPOINT_FILE).unlink(missing_ok=True)  # the entry is the result; resume is over
+        for stray in staging.glob(".*.tmp"):  # a weights write a kill interrupted: never data
+            stray.unlink()
+        atomic_write_bytes(staging / RESULT_FILE, json.dumps(metrics, default=float).encode())
+        return {"accuracy": metrics["accuracy"], "mode": self.mode}
+
+    def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> dict[str, Any]:
+        """The stored result (an identical rerun does not retrain); its weights are copied to the run dir."""
+        path = Path(entry.path)
+        try:
+            metrics: dict[str, Any] = json.loads((path / RESULT_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"stage {call.name!r}: cannot read the stored training result in {path}: "
+                             f"{exc}; remove the entry (`python -m pipeline cache rm "
+                             f"{entry.fingerprint[:12]}`) to train again") from None
+        out_dir = ctx.stage_dir(call.name)
+        if out_dir is not None and (path / BEST_FILE).is_file():
+            shutil.copyfile(path / BEST_FILE, out_dir / BEST_FILE)
+        return metrics
+
+    def _train(
+        self, ctx: RunContext, inputs: dict[str, Any], call: StageCall, out_dir: Path
+    ) -> dict[str, Any]:
         name = call.name
         model_value: ModelValue = inputs["model"]
         stream: Stream = inputs["features" if self.mode == "two_stage" else "images"]
@@ -197,20 +251,25 @@ class Finetune(Stage):
                 f"val acc {record['val_acc']:.3f} ({record['epoch_seconds']:.2f}s)"
             )
 
-        out_dir = ctx.stage_dir(name)
-        tmp = None
-        if out_dir is None:
-            tmp = tempfile.TemporaryDirectory(prefix=f"{name}-ckpt-")
-            out_dir = Path(tmp.name)
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
-        result = train(trained, params, train_batches, eval_batches, self.train, checkpoint_dir=out_dir,
-                       on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch)
+        cfg = self.train if self.precision == self.train.precision else \
+            self.train.model_copy(update={"precision": self.precision})
+        result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
+                       on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch,
+                       resume_key=call.fingerprint, bars=ctx.progress, label=name,
+                       batch_size=self.batch_size, batch_setting=f"stages.{name}.batch_size",
+                       log=lambda m: ctx.progress.log(f"[{name}] {m}"))
         # Report the test accuracy of the checkpoint chosen on validation data.
-        state, _ = load_weights(out_dir / "best.pt")
+        state, _ = load_weights(out_dir / BEST_FILE)
         trained.load_state_dict(state)
         test_split = "test" if "test" in stream.spec.splits else "val"
-        test_loss, test_acc, test_n = evaluate(trained, eval_batches(test_split))
+        try:
+            _, test_acc, test_n = evaluate(trained, eval_batches(test_split), precision=self.precision)
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory(exc, stage=name, batch_size=self.eval_batch_size, device=device,
+                                setting=f"stages.{name}.eval_batch_size",
+                                during="the test evaluation") from None
         epoch_times = [h["epoch_seconds"] for h in result.history]
         quantization = specs["features"].quantization if self.mode == "two_stage" else None
         metrics = {
@@ -224,16 +283,20 @@ class Finetune(Stage):
             "epoch_seconds_steady": (sum(epoch_times[1:]) / (len(epoch_times) - 1)) if len(epoch_times) > 1
             else epoch_times[0],
             "epoch_seconds_all": epoch_times,
+            "train_loss_all": [h["train_loss"] for h in result.history],
+            "val_accuracy_all": [h.get("val_acc") for h in result.history],
             "cache_bytes": stream.stored_bytes() if self.mode == "two_stage" else 0,
             "bits": quantization.bits if quantization is not None else 32,
             "mode": self.mode,
             "train_last_blocks": n,
+            "top_input_shape": list(shape),
             "trainable_parameters": sum(p.numel() for p in params),
             "method": adapted.method,
+            "precision": self.precision,
+            "device": str(device),
+            "resumed_after_epochs": result.resumed_from or 0,
             **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,
-            "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
+            "bytes_written": (out_dir / BEST_FILE).stat().st_size,
         }
-        if tmp is not None:
-            tmp.cleanup()
         return metrics

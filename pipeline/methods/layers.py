@@ -216,28 +216,50 @@ def shift_batchnorm(bn: nn.BatchNorm2d, *, train_shift: bool = True) -> ShiftBat
 
 
 # --------------------------------------------------------------------------- convolution
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs a convolution in on ``x``'s device, or None when autocast is off."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
 class _FrozenWeightConv2d(torch.autograd.Function):
-    """conv2d whose weight is frozen: backward to the input needs only the weight (TinyTL Eq. 2)."""
+    """conv2d whose weight is frozen: backward to the input needs only the weight (TinyTL Eq. 2).
+
+    Under autocast (bf16 on CPU or CUDA, fp16 on CUDA) the forward runs in autocast's dtype, as
+    ``F.conv2d`` would, and the weight is kept in that dtype for backward (half the bytes); the
+    backward, which autograd runs outside autocast, computes in the same dtype and hands back
+    gradients in the inputs' own dtypes.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
                 weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> torch.Tensor:
+        dtype = _autocast_dtype(x)
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)  # type: ignore[attr-defined]
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(weight)
         ctx.conv = (tuple(x.shape), stride, padding, dilation, groups)  # type: ignore[attr-defined]
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        with torch.autocast(x.device.type, enabled=False):  # inputs already in the compute dtype
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx: Any,  # type: ignore[override]
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape, stride, padding, dilation, groups = ctx.conv  # type: ignore[attr-defined]
+        x_dtype, bias_dtype = ctx.dtypes  # type: ignore[attr-defined]
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
             (weight,) = ctx.saved_tensors  # type: ignore[attr-defined]
-            grad_x = conv2d_input(shape, weight, grad, stride, padding, dilation, groups)
+            grad_x = conv2d_input(shape, weight, grad.to(weight.dtype), stride, padding, dilation,
+                                  groups).to(x_dtype)
         if ctx.needs_input_grad[2]:
-            grad_b = grad.sum((0, 2, 3))
+            grad_b = grad.float().sum((0, 2, 3)).to(bias_dtype)
         return grad_x, None, grad_b, None, None, None, None
 
 

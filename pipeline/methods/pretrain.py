@@ -22,6 +22,7 @@ from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage, StageCall
+from .device import check_precision
 from .trainer import TrainConfig, train
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ class Pretrain(Stage):
     kind: ClassVar[str] = MODEL
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}
     cacheable: ClassVar[bool] = True
+    # A killed pretrain continues from the last epoch checkpointed in its staging directory, which the
+    # catalog keys by this stage's fingerprint (a changed recipe never continues a stale one).
+    resumable: ClassVar[bool] = True
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch"})
 
     input: str
@@ -62,6 +66,7 @@ class Pretrain(Stage):
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data = inputs["input"]
         data.split("train", stage=self.type_name)
+        check_precision(self.train.precision, ctx.torch_device)
         return self._arch(data.num_classes).spec()
 
     def estimate_bytes(self, spec: Spec) -> int | None:
@@ -113,6 +118,12 @@ class Pretrain(Stage):
             checkpoint_dir=staging / "checkpoints",
             on_epoch=on_epoch,
             steps_per_epoch=-(-len(data.splits["train"]) // self.batch_size),
+            resume_key=call.fingerprint,
+            bars=ctx.progress,
+            label=call.name,
+            batch_size=self.batch_size,
+            batch_setting=f"stages.{call.name}.batch_size",
+            log=lambda m: ctx.progress.log(f"[{call.name}] {m}"),
         )
         best, _ = load_weights(staging / "checkpoints" / "best.pt") if eval_split else (net.state_dict(), {})
         net.load_state_dict(best)

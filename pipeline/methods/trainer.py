@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,10 @@ from ..errors import DataError, ModelError
 from ..lazy import lazy_module
 from ..models.weights import save_weights
 from ..ops.prefetch import EpochPrefetch
+from ..progress import Progress
 from ..threads import StepPacer, step_pacer
+from .checkpoint import CHECKPOINT_FILE, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from .device import AmpPolicy, module_device, out_of_memory, pinned, to_device
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,8 @@ class TrainConfig(BaseModel, frozen=True, extra="forbid"):
     warmup_epochs: float = Field(0, ge=0, description="linear warmup from ~0 to lr, in epochs")
     label_smoothing: float = Field(0.0, ge=0, le=1)
     grad_clip: float | None = Field(None, gt=0, description="max global gradient L2 norm")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32; bf16 autocast (CPU, CUDA); fp16 autocast + gradient scaler (CUDA)")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -69,6 +74,7 @@ class TrainResult:
     best_epoch: int | None = None
     last_val_acc: float | None = None
     total_seconds: float = 0.0
+    resumed_from: int | None = None  # epochs already done by an interrupted run this one continued
 
 
 # Devices torch has fused optimizer kernels for (CPU since torch 2.4).
@@ -100,26 +106,30 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.
     return cls(params, **kwargs)
 
 
-def _device(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+def evaluate(model: nn.Module, batches: Batches, *, precision: str = "fp32") -> tuple[float, float, int]:
+    """(mean cross-entropy, accuracy, samples) in eval mode; no label smoothing, so runs compare.
 
-
-def evaluate(model: nn.Module, batches: Batches) -> tuple[float, float, int]:
-    """(mean cross-entropy, accuracy, samples) in eval mode; no label smoothing, so runs compare."""
+    Runs where the model's parameters are, at ``precision`` (autocast, as it was trained); the
+    loss is summed in fp32 either way.
+    """
     model.eval()
-    device = _device(model)
-    loss_sum, correct, n = 0.0, 0, 0
+    device = module_device(model)
+    amp = AmpPolicy(precision, device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    n = 0
     with torch.no_grad():
-        for x, y in batches:
-            x, y = x.to(device), y.to(device).long()
-            logits = model(x)
-            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
+        for x, y in to_device(batches, device):
+            with amp.autocast():
+                logits = model(x)
+            logits = logits.float()
+            # Accumulated on the device: one synchronization at the end, not two per batch.
+            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(1) == y).sum()
             n += len(y)
     if n == 0:
         raise DataError("evaluation batches yielded no samples (is the evaluation split empty?)")
-    return loss_sum / n, correct / n, n
+    return float(loss_sum) / n, int(correct) / n, n
 
 
 def _steps_hint(batches: Any) -> int | None:
@@ -138,45 +148,61 @@ class _Epoch:
     lr: float = 0.0
 
 
-def _train_epoch(model: nn.Module, batches: Batches, opt: torch.optim.Optimizer, params: list[nn.Parameter],
-                 cfg: TrainConfig, epoch: int, steps_per_epoch: int | None,
-                 progress: Callable[[dict[str, Any]], None] | None, pace: StepPacer | None = None) -> _Epoch:
-    device = _device(model)
+@dataclass
+class _Loop:
+    """What one training loop's steps share: the model, the optimizer, the precision, where to report."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    cfg: TrainConfig
+    amp: AmpPolicy
+    device: torch.device
+    progress: Callable[[dict[str, Any]], None] | None = None
+    pace: StepPacer | None = None
+
+
+def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int | None,
+                 bar: Any = None) -> _Epoch:
+    model, opt, cfg = loop.model, loop.opt, loop.cfg
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     ep = _Epoch(lr=cfg.lr)
-    pace = pace or StepPacer(None)
+    pace = loop.pace or StepPacer(None)
     pace.start()
-    for step, (x, y) in enumerate(batches):
+    for step, (x, y) in enumerate(to_device(batches, loop.device)):
         frac = step / steps_per_epoch if steps_per_epoch else 0.5
         ep.lr = cfg.lr_at(epoch + min(frac, 1.0))
         for group in opt.param_groups:
             group["lr"] = ep.lr
-        x, y = x.to(device), y.to(device).long()
         # Before the forward, not just before backward: the last step's gradients are freed before
         # this step's activations are allocated, which reuses memory that is still in cache.
         opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = loss_fn(logits, y)
+        with loop.amp.autocast():
+            logits = model(x)
+            loss = loss_fn(logits, y)
         value = loss.detach().item()
         if not math.isfinite(value):
             raise ModelError(
                 f"training diverged: loss is {value} at epoch {epoch}, step {step} "
                 f"(lr {ep.lr:.3g}); lower train.lr, set train.grad_clip, or check the inputs for NaN/inf"
             )
-        loss.backward()
-        if cfg.grad_clip is not None:
-            nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        loop.amp.step(loss, opt, loop.params, cfg.grad_clip)
         ep.loss_sum += value * len(y)
         ep.correct += int((logits.detach().argmax(1) == y).sum())
         ep.samples += len(y)
         ep.steps = step + 1
         pace.step(len(y))  # run.threads: auto adapts the thread count here, between steps
-        if progress is not None:
-            progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": value, "lr": ep.lr})
+        if bar is not None:
+            bar.update(1)
+        if loop.progress is not None:
+            loop.progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": value, "lr": ep.lr})
     if ep.samples == 0:
         raise DataError(f"train_batches({epoch}) yielded no batches (is the train split empty?)")
     return ep
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
 
 def train(model: nn.Module, parameters: Iterable[nn.Parameter],
@@ -185,21 +211,31 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
           on_epoch: Callable[[dict[str, Any]], None] | None = None,
           progress: Callable[[dict[str, Any]], None] | None = None,
           train_mode: Callable[[nn.Module], None] | None = None,
-          steps_per_epoch: int | None = None, read_ahead: int = 0) -> TrainResult:
+          steps_per_epoch: int | None = None, read_ahead: int = 0,
+          resume_key: str | None = None, bars: Progress | None = None, label: str = "train",
+          batch_size: int | None = None, batch_setting: str | None = None,
+          log: Callable[[str], None] | None = None) -> TrainResult:
     """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
 
+    Runs where ``model``'s parameters are (move it to the device first), at ``cfg.precision``
+    (``pipeline.methods.device``); host batches are moved there from pinned memory.
     ``train_mode(model)`` is called before each training pass (default ``model.train()``)
     so a caller can keep frozen parts in eval mode. The lr follows the schedule per step;
     when the steps per epoch are unknown (``steps_per_epoch`` not given and the batches
     have no len) the first epoch uses its midpoint lr and later epochs the first epoch's
     step count. RNG state is forked: dropout is reproducible by ``cfg.seed`` and the
-    caller's RNG is untouched. ``progress`` gets ``{epoch, step, samples, loss, lr}`` per step.
+    caller's RNG is untouched. ``progress`` gets ``{epoch, step, samples, loss, lr}`` per step;
+    ``bars`` shows a progress bar per epoch, described by ``label``.
     ``read_ahead`` > 0 prepares that many training batches on a background thread, running on
     into the next epoch while this one ends and is evaluated (:class:`EpochPrefetch`); then
     ``train_batches`` must not depend on the model's state, and sees its epochs in order.
     Records have val_* keys only when ``eval_batches`` is given. ``best.pt`` (highest val
-    acc; the last epoch without eval) and ``last.pt`` hold the model's state_dict in
-    ``save_weights`` format.
+    acc; the last epoch without eval) holds the model's state_dict in ``save_weights`` format;
+    ``last.pt`` the whole training state after the last finished epoch (``pipeline.methods.
+    checkpoint``). With ``resume_key`` (the stage's fingerprint), a ``last.pt`` written under the
+    same key is continued from: the result and the weights are those of an uninterrupted run.
+    Out of memory raises :class:`DeviceMemoryError` naming ``label``, ``batch_size`` and
+    ``batch_setting`` (the recipe field to lower).
     """
     params = [p for p in parameters if p.requires_grad]
     if not params:
@@ -208,46 +244,88 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     if checkpoint_dir is not None:
         checkpoint_dir = Path(checkpoint_dir)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    device = module_device(model)
+    amp = AmpPolicy(cfg.precision, device)
     opt = make_optimizer(params, cfg)
-    pace = step_pacer()  # one per loop: step times of different models do not compare
+    loop = _Loop(model, opt, params, cfg, amp, device, progress, step_pacer())
     result = TrainResult()
+    start = 0
+    saved = None
+    last = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir is not None else None
+    if last is not None and resume_key is not None:
+        saved = load_checkpoint(last, resume_key)
+    if saved is not None:
+        model.load_state_dict(saved["state_dict"])
+        opt.load_state_dict(saved["optimizer"])
+        amp.load_state_dict(saved["amp"])
+        start = int(saved["epoch"])
+        steps_per_epoch = steps_per_epoch or saved["steps_per_epoch"]
+        result.history = list(saved["history"])
+        result.best_val_acc, result.best_epoch = saved["best_val_acc"], saved["best_epoch"]
+        result.last_val_acc = saved["last_val_acc"]
+        result.resumed_from = start
+        if log is not None:
+            log(f"resuming training after epoch {start - 1} (of 0-{cfg.epochs - 1}) from "
+                f"{last}")
+    bars = bars or Progress(quiet=True)
     t_start = time.perf_counter()
-    ahead = EpochPrefetch(train_batches, cfg.epochs, read_ahead, name="train-batches") if read_ahead else None
-    with torch.random.fork_rng(devices=[]), (closing(ahead) if ahead is not None else nullcontext()):
+    ahead = None
+    if read_ahead and start < cfg.epochs:
+        def open_epoch(i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return pinned(train_batches(start + i), device)  # pinned on the read-ahead thread
+        ahead = EpochPrefetch(open_epoch, cfg.epochs - start, read_ahead, name="train-batches")
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), (closing(ahead) if ahead is not None else nullcontext()):
         torch.manual_seed(cfg.seed)
-        for epoch in range(cfg.epochs):
+        if saved is not None:
+            restore_rng(saved["rng"], device)
+        for epoch in range(start, cfg.epochs):
             if train_mode is None:
                 model.train()
             else:
                 train_mode(model)
             t0 = time.perf_counter()
-            batches = ahead.epoch(epoch) if ahead is not None else train_batches(epoch)
-            ep = _train_epoch(model, batches, opt, params, cfg, epoch,
-                              steps_per_epoch or _steps_hint(batches), progress, pace)
-            steps_per_epoch = steps_per_epoch or ep.steps
-            record: dict[str, Any] = {
-                "epoch": epoch, "train_loss": ep.loss_sum / ep.samples, "train_acc": ep.correct / ep.samples,
-                "epoch_seconds": time.perf_counter() - t0, "lr": ep.lr, "samples": ep.samples,
-                "steps": ep.steps, "eval_seconds": 0.0,
-            }
-            improved = True
-            if eval_batches is not None:
-                t1 = time.perf_counter()
-                val_loss, val_acc, val_n = evaluate(model, eval_batches())
-                record.update(val_loss=val_loss, val_acc=val_acc, val_samples=val_n,
-                              eval_seconds=time.perf_counter() - t1)
-                improved = result.best_val_acc is None or val_acc > result.best_val_acc
-                result.last_val_acc = val_acc
-                if improved:
-                    result.best_val_acc = val_acc
+            batches = ahead.epoch(epoch - start) if ahead is not None else train_batches(epoch)
+            steps = steps_per_epoch or _steps_hint(batches)
+            try:
+                with bars.bar(steps, f"{label}: epoch {epoch + 1}/{cfg.epochs}", unit="batch") as bar:
+                    ep = _train_epoch(loop, batches, epoch, steps, bar)
+                steps_per_epoch = steps_per_epoch or ep.steps
+                record: dict[str, Any] = {
+                    "epoch": epoch, "train_loss": ep.loss_sum / ep.samples,
+                    "train_acc": ep.correct / ep.samples,
+                    "epoch_seconds": time.perf_counter() - t0, "lr": ep.lr, "samples": ep.samples,
+                    "steps": ep.steps, "eval_seconds": 0.0,
+                }
+                improved = True
+                if eval_batches is not None:
+                    t1 = time.perf_counter()
+                    val_loss, val_acc, val_n = evaluate(model, eval_batches(), precision=cfg.precision)
+                    record.update(val_loss=val_loss, val_acc=val_acc, val_samples=val_n,
+                                  eval_seconds=time.perf_counter() - t1)
+                    improved = result.best_val_acc is None or val_acc > result.best_val_acc
+                    result.last_val_acc = val_acc
+                    if improved:
+                        result.best_val_acc = val_acc
+            except torch.OutOfMemoryError as exc:
+                raise out_of_memory(exc, stage=label, batch_size=batch_size, setting=batch_setting,
+                                    device=device, during=f"training, epoch {epoch}") from None
             if improved:
                 result.best_epoch = epoch
+            result.history.append(record)
             if checkpoint_dir is not None:
                 meta = {k: v for k, v in record.items() if k in ("epoch", "val_acc", "train_loss")}
-                save_weights(model, checkpoint_dir / "last.pt", meta)
-                if improved:
+                if improved:  # before last.pt: a crash in between retrains this epoch and rewrites it
                     save_weights(model, checkpoint_dir / "best.pt", meta)
-            result.history.append(record)
+                assert last is not None
+                save_checkpoint(last, {
+                    "fingerprint": resume_key or "", "epoch": epoch + 1, "state_dict": _cpu_state(model),
+                    "meta": meta, "optimizer": opt.state_dict(), "amp": amp.state_dict(),
+                    "rng": rng_state(device), "steps_per_epoch": steps_per_epoch, "history": result.history,
+                    "best_val_acc": result.best_val_acc, "best_epoch": result.best_epoch,
+                    "last_val_acc": result.last_val_acc,
+                })
             if on_epoch is not None:
                 on_epoch(record)
     result.total_seconds = time.perf_counter() - t_start

@@ -28,6 +28,11 @@ wise ops are not counted), analytically per block; the forward total is cross-ch
 in torch 2.x it counts a grouped (depthwise) convolution's backward as a dense one, ``groups``
 times too many FLOPs for MobileNet's depthwise layers.
 
+*On a CUDA device*, also what the allocator saw: ``device_step_peak`` runs one whole training
+step (forward, loss, backward, optimizer step) of a copy of the module and reads the peak of
+``torch.cuda.max_memory_allocated`` above what was allocated before, which counts what the
+analytic and saved-tensor views do not (temporaries, kernel workspaces, allocator rounding).
+
 ``pipeline.memory_report.memory_report(recipe, ctx)`` applies this to every trainer of a recipe;
 it is what ``python -m pipeline memory RECIPE`` prints.
 """
@@ -159,6 +164,8 @@ class Footprint:
     frozen_bytes: int = 0
     label: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    device_peak_bytes: int | None = None  # CUDA allocator peak of one whole step (``device_step_peak``)
 
     @property
     def batch_size(self) -> int:
@@ -225,6 +232,9 @@ class Footprint:
         if self.measured_flops_forward is not None:
             mflops = self.measured_flops_forward / 1e6
             rows.append(f"forward FLOPs measured by FlopCounterMode: {mflops:.2f} M")
+        if self.device_peak_bytes is not None:
+            rows.append(f"{self.device} allocator peak of one training step (max_memory_allocated): "
+                        f"{human_bytes(self.device_peak_bytes)} (frozen bottom not included)")
         return "\n".join(rows)
 
 
@@ -383,7 +393,14 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
     trainable = sum(p.numel() for p in work.parameters() if p.requires_grad)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*work.parameters(), *work.buffers()])
     slots = _optimizer_slots(optimizer, momentum)
+    device = next(work.parameters()).device
+    peak = None
+    if device.type == "cuda" and measure:
+        del work, out, x
+        peak = device_step_peak(model, input_shape, device, num_classes=num_classes, optimizer=optimizer,
+                                momentum=momentum, seed=seed, input_requires_grad=input_requires_grad)
     return Footprint(
+        device=str(device), device_peak_bytes=peak,
         input_shape=tuple(input_shape), optimizer=optimizer, groups=list(by_group.values()), layers=layers,
         parameter_bytes=weight_bytes + frozen_bytes, trainable_parameters=trainable,
         gradient_bytes=trainable * 4, optimizer_bytes=slots * trainable * 4,
@@ -394,3 +411,46 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
         measured_flops_forward=flops_f, frozen_bytes=frozen_bytes,
         label=label,
     )
+
+
+def _optimizer(params: list[nn.Parameter], optimizer: str, momentum: float) -> torch.optim.Optimizer:
+    """The trainer's optimizer kind, fused as the trainer makes it on CUDA (its state is the same size)."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=momentum, fused=True)
+    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=1e-3, fused=True)
+
+
+def device_step_peak(module: nn.Module, input_shape: tuple[int, ...], device: torch.device | str, *,
+                     num_classes: int | None = None, optimizer: str = "adamw", momentum: float = 0.9,
+                     seed: int = 0, input_requires_grad: bool = False) -> int:
+    """Bytes the CUDA allocator held at the peak of one training step of a copy of ``module`` on
+    ``device``, above what it held before the copy: weights, gradients, optimizer state, activations
+    and every temporary. The module itself is untouched."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device_step_peak reads the CUDA allocator; {device} has none (use footprint)")
+    _optimizer_slots(optimizer, momentum)  # unknown optimizer: the same error as footprint's
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    gen = torch.Generator().manual_seed(seed)
+    work = copy.deepcopy(module).to(device).train()
+    params = [p for p in work.parameters() if p.requires_grad]
+    opt = _optimizer(params, optimizer, momentum) if params else None
+    x = torch.randn(*input_shape, generator=gen).to(device).requires_grad_(input_requires_grad)
+    with torch.enable_grad():
+        out = work(x)
+        if out.dim() == 2:
+            y = torch.randint(0, num_classes or out.shape[-1], (out.shape[0],), generator=gen).to(device)
+            loss = nn.functional.cross_entropy(out, y)
+        else:
+            loss = out.sum()
+        if loss.requires_grad:
+            loss.backward()
+    if opt is not None:
+        opt.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del work, opt, x, out, loss, params
+    return int(peak)

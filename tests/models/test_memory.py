@@ -126,6 +126,9 @@ def test_memory_report_for_a_recipe(tmp_path: Path) -> None:
     text, data = memory_report(recipe, ctx)
     stages = data["stages"]
     assert set(stages) == {"vanilla", "mobiletl", "mobiletl_images"}
+    assert data["device"] == "cpu" and "on cpu" in text.splitlines()[0]
+    # No allocator on a CPU: the analytic and saved-tensor views only (tests/test_cuda_train.py reads CUDA's).
+    assert all(s["device"] == "cpu" and s["device_peak_bytes"] is None for s in stages.values())
     for name in stages:
         assert f"[{name}]" in text
     vanilla, mtl = stages["vanilla"], stages["mobiletl"]
@@ -141,3 +144,10 @@ def test_memory_report_for_a_recipe(tmp_path: Path) -> None:
     bare = recipe_from_dict({"name": "b", "stages": {"d": {"type": "digits"}}})
     with pytest.raises(StageError, match="no trainer stage"):
         memory_report(bare, ctx)
+
+
+def test_device_step_peak_reads_only_a_cuda_allocator() -> None:
+    from pipeline.models.memory import device_step_peak
+
+    with pytest.raises(ValueError, match="reads the CUDA allocator; cpu has none"):
+        device_step_peak(conv_bn_relu_conv(), (2, 3, 5, 5), "cpu")

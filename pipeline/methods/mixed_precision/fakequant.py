@@ -69,6 +69,11 @@ def fake_quant_weight(w: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
 
 
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def calibrate_input_ranges(model: nn.Module, layers: Iterable[str],
                            batches: Iterable[torch.Tensor]) -> dict[str, tuple[float, float]]:
     """(min, max) of each layer's input over ``batches``, from the float model in eval mode."""
@@ -88,10 +93,11 @@ def calibrate_input_ranges(model: nn.Module, layers: Iterable[str],
         handles.append(modules[name].register_forward_pre_hook(observe(name)))
     was_training = model.training
     model.eval()
+    device = _device(model)
     try:
         with torch.no_grad():
             for x in batches:
-                model(x)
+                model(x.to(device))
     finally:
         for h in handles:
             h.remove()
@@ -153,8 +159,10 @@ class FakeQuantModel:
 
     def accuracy(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
         """Top-1 accuracy of the model under the current scheme on (x, y)."""
-        correct = 0
+        device = _device(self.model)
+        x, y = x.to(device), y.to(device)  # a no-op when the caller put them there once
+        correct = torch.zeros((), dtype=torch.int64, device=device)
         with torch.inference_mode():
             for i in range(0, len(x), batch_size):
-                correct += int((self.model(x[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum())
-        return correct / max(len(x), 1)
+                correct += (self.model(x[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum()
+        return int(correct) / max(len(x), 1)

@@ -7,10 +7,10 @@ content-addressed JSON artifact, so any recipe with the same model, data and set
 reuses it instead of searching again.
 
 ``finetune_mixed``: the ``finetune`` stage with the top trained in bfloat16. Policy:
-fp32 master weights and optimizer state, bf16 compute through CPU autocast (matmuls
-and convolutions in bf16, reductions and the loss in fp32). Autocast's weight-cast
-cache is disabled because one autocast region spans many optimizer steps, and a
-cached bf16 copy would go stale after the first step. The int8 bottom is not part
+fp32 master weights and optimizer state, bf16 compute through autocast on the run's
+device, CPU or CUDA (matmuls and convolutions in bf16, reductions and the loss in fp32):
+the trainer's ``bf16`` precision (``pipeline.methods.device``), entered per step so the
+autocast cache of bf16 weight copies never outlives an optimizer step. The int8 bottom is not part
 of this stage: it runs in ``frozen_forward`` with ``precision: int8`` and reaches the
 top through the feature cache, which is how mixed precision and Cache & Reuse combine.
 """
@@ -170,11 +170,16 @@ class PartitionSearch(Stage):
         name = call.name
         model_value: ModelValue = inputs["model"]
         net = model_value.build(seed=self.seed).eval()  # as if seeded, then constructed
-        lg = graph.layer_graph(net)
+        lg = graph.layer_graph(net)  # traced on the CPU, before the network moves to the device
         cuts = candidate_cuts(lg, self.cut_granularity)
         layers = [layer for layer in lg.layers if layer != lg.classifier]
         calib_x, _ = self._images(inputs["input"], self.calibration_split, self.calibration_samples, False)
         x, y = self._images(inputs["input"], self.eval_split, self.max_samples, True)
+        # Fake quantization runs where the run does (its weights and the evaluation images moved once):
+        # every one of the search's evaluations is a forward pass on the device.
+        device = ctx.torch_device
+        net.to(device)
+        x, y = x.to(device), y.to(device)
         if len(x) < self.max_samples:
             ctx.progress.log(f"[{name}] {self.eval_split} has only {len(x)} samples (max_samples "
                              f"{self.max_samples}); using all of them")
@@ -225,7 +230,7 @@ class PartitionSearch(Stage):
 
 
 class FinetuneMixed(Finetune):
-    """``finetune`` with the top in bf16 (fp32 master weights + CPU autocast); fp32 = plain finetune."""
+    """``finetune`` with the top in bf16 (fp32 master weights + autocast); fp32 = plain finetune."""
 
     type_name: ClassVar[str] = "finetune_mixed"
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
@@ -236,16 +241,12 @@ class FinetuneMixed(Finetune):
         spec = super().resolve(inputs, ctx)
         return Spec(RESULT, spec.num_classes, meta={**spec.meta, "top_precision": self.top_precision})
 
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
-        device = ctx.torch_device.type
-        if self.top_precision == "bf16" and device != "cpu":
-            raise StageError(f"top_precision: bf16 is implemented with CPU autocast; run.device is "
-                             f"{ctx.device}")
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.top_precision == "bf16",
-                            cache_enabled=False):
-            metrics = super().run(ctx, inputs, call)
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.top_precision == "bf16" else self.train.precision
+
+    def result_extras(self, call: StageCall) -> dict[str, Any]:
         cut = call.inputs["features"].cut if self.mode == "two_stage" else None
         bottom = (cut.precision if cut is not None else "fp32") if self.mode == "two_stage" else None
-        metrics.update(top_precision=self.top_precision, master_weights="fp32",
-                       bottom_precision=bottom or self.top_precision)
-        return metrics
+        return {"top_precision": self.top_precision, "master_weights": "fp32",
+                "bottom_precision": bottom or self.top_precision}

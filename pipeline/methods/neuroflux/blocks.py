@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ from stores.catalog import Catalog, Staging
 from ...fingerprint import derived_fingerprint
 from ...models.weights import load_weights, save_weights
 from ...stream import Stream
+from ..device import out_of_memory
 from .aux import LocalLayer
 from .local import BlockState, train_block
 from .models import LayerNet
@@ -165,7 +168,7 @@ class BlockRun:
             steps = -(-n_train // block.batch_size)
             with self.ctx.progress.bar(
                 (cfg.epochs - state.epoch) * n_train, f"{self.name}: block {block.index}", unit="img"
-            ) as bar:
+            ) as bar, out_of_memory_named(self.name, block, self.ctx.torch_device):
                 train_block(
                     state,
                     self.stage._train_batches(source, block.batch_size),
@@ -218,6 +221,19 @@ class BlockRun:
                 }
             )
         return rows
+
+
+@contextmanager
+def out_of_memory_named(stage: str, block: Block, device: torch.device) -> Iterator[None]:
+    """Out of memory while block ``block`` trains: the error names it and its batch size (the trained
+    epochs stay checkpointed; a rerun continues after the last one)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise out_of_memory(exc, stage=f"{stage} (block {block.index})", batch_size=block.batch_size,
+                            setting=f"stages.{stage}.memory_budget_mib (it sets the block's batch) or "
+                            f"stages.{stage}.batch_cap", device=device,
+                            during=f"local learning of layers {block.layers[0]}-{block.layers[-1]}") from None
 
 
 def save_atomic(obj: Any, path: Path) -> None:

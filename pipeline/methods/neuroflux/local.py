@@ -5,6 +5,10 @@ of layer ``i-1``, computes its auxiliary head's cross-entropy, and takes an opti
 No gradient crosses a layer boundary, so only one layer's autograd graph exists at a time
 (what makes a block's memory ``statics + one layer's activations``). Classic local learning
 is the same loop over all layers as one block.
+
+Runs where the layers are (batches are moved there, from pinned memory on CUDA), at
+``train.precision``: each layer's forward and loss under autocast, its step through its own
+gradient scaler for fp16 (``pipeline.methods.device``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from ...errors import DataError, ModelError
+from ..device import AmpPolicy, module_device, to_device
 from ..trainer import TrainConfig, make_optimizer
 from .aux import LocalLayer
 
@@ -33,10 +38,13 @@ class BlockState:
     optimizers: list[torch.optim.Optimizer]
     epoch: int = 0  # epochs completed
     history: list[dict[str, Any]] = field(default_factory=list)
+    amps: list[AmpPolicy] = field(default_factory=list)  # one per layer: each steps on its own loss
 
     @classmethod
     def create(cls, layers: Sequence[LocalLayer], cfg: TrainConfig) -> BlockState:
-        return cls(layers, [make_optimizer(list(m.parameters()), cfg) for m in layers])
+        device = module_device(layers[0]) if layers else torch.device("cpu")
+        return cls(layers, [make_optimizer(list(m.parameters()), cfg) for m in layers],
+                   amps=[AmpPolicy(cfg.precision, device) for _ in layers])
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +52,7 @@ class BlockState:
             "history": self.history,
             "layers": [m.state_dict() for m in self.layers],
             "optimizers": [o.state_dict() for o in self.optimizers],
+            "amps": [a.state_dict() for a in self.amps],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -51,6 +60,8 @@ class BlockState:
             m.load_state_dict(s)
         for o, s in zip(self.optimizers, state["optimizers"], strict=True):
             o.load_state_dict(s)
+        for a, s in zip(self.amps, state.get("amps", []), strict=False):  # older checkpoints: fp32
+            a.load_state_dict(s)
         self.epoch, self.history = int(state["epoch"]), list(state["history"])
 
 
@@ -60,17 +71,19 @@ def local_step(
     x: torch.Tensor,
     y: torch.Tensor,
     loss_fn: nn.Module,
+    amps: Sequence[AmpPolicy] | None = None,
 ) -> tuple[list[float], list[int]]:
     """One batch through the block: per layer (loss, correct predictions)."""
     losses, correct = [], []
     h = x
-    for m, opt in zip(layers, optimizers, strict=True):
-        out = m.layer(h)
-        logits = m.head(out)
-        loss = loss_fn(logits, y)
+    amps = amps or [AmpPolicy("fp32", x.device) for _ in layers]
+    for m, opt, amp in zip(layers, optimizers, amps, strict=True):
+        with amp.autocast():
+            out = m.layer(h)
+            logits = m.head(out)
+            loss = loss_fn(logits, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        amp.step(loss, opt, list(m.parameters()), None)
         losses.append(loss.detach().item())
         correct.append(int((logits.detach().argmax(1) == y).sum()))
         h = out.detach()  # the next layer learns from this output; no gradient flows back
@@ -82,8 +95,9 @@ def evaluate_heads(layers: Sequence[LocalLayer], batches: Batches) -> list[float
     for m in layers:
         m.eval()
     correct, n = [0] * len(layers), 0
+    device = module_device(layers[0]) if layers else torch.device("cpu")
     with torch.no_grad():
-        for x, y in batches:
+        for x, y in to_device(batches, device):
             h = x
             for i, m in enumerate(layers):
                 h = m.layer(h)
@@ -107,6 +121,9 @@ def train_block(
 ) -> BlockState:
     """Train the block from ``state.epoch`` to ``cfg.epochs``; ``on_epoch`` can checkpoint ``state``."""
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    device = module_device(state.layers[0]) if state.layers else torch.device("cpu")
+    if not state.amps:
+        state.amps = [AmpPolicy(cfg.precision, device) for _ in state.layers]
     while state.epoch < cfg.epochs:
         epoch = state.epoch
         for m in state.layers:
@@ -117,13 +134,12 @@ def train_block(
         samples = 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed * 1_000_003 + epoch)
-            for step, (x, y) in enumerate(train_batches(epoch)):
+            for step, (x, y) in enumerate(to_device(train_batches(epoch), device)):
                 lr = cfg.lr_at(epoch + min(step / max(1, steps_per_epoch), 1.0))
                 for opt in state.optimizers:
                     for group in opt.param_groups:
                         group["lr"] = lr
-                y = y.long()
-                losses, hits = local_step(state.layers, state.optimizers, x, y, loss_fn)
+                losses, hits = local_step(state.layers, state.optimizers, x, y, loss_fn, state.amps)
                 for i, (loss, hit) in enumerate(zip(losses, hits, strict=True)):
                     if not math.isfinite(loss):
                         raise ModelError(

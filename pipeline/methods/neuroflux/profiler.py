@@ -2,8 +2,11 @@
 
 NeuroFlux profiles every layer on the device at a few batch sizes and fits a line,
 ``memory(b) = slope * b + intercept``, which the partitioner inverts to find the largest
-batch under a budget. On a GPU the paper reads the allocator; on a CPU there is no
-allocator to read, so "memory" here is the toolkit's training-memory meter
+batch under a budget. On a CUDA device it reads the allocator, as the paper does: the peak
+of ``torch.cuda.max_memory_allocated`` over one real training step (forward, loss, backward,
+optimizer step) of a copy of the module, above what was allocated before the copy was made
+(``pipeline.models.memory.device_step_peak``). On a CPU there is no allocator to read, so
+"memory" is the toolkit's training-memory meter
 (``pipeline.models.memory.footprint``), measured on one real training step: the bytes of
 every tensor autograd saves for backward, plus weights and buffers, gradients and the
 optimizer state. The intercept is the static part (weights, gradients, optimizer state),
@@ -21,10 +24,12 @@ import numpy as np
 from ...lazy import lazy_module
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from ...models import memory
 else:
+    torch = lazy_module("torch")
     nn = lazy_module("torch.nn")
     memory = lazy_module("pipeline.models.memory")
 
@@ -81,12 +86,17 @@ def profile_module(
     num_classes: int,
     optimizer: str,
     batches: Sequence[int] = DEFAULT_BATCHES,
+    device: torch.device | str = "cpu",
 ) -> MemoryFit:
-    """Measure one training step of ``module`` at each batch size and fit the line."""
+    """Measure one training step of ``module`` at each batch size on ``device`` and fit the line."""
     if len(batches) < 2:
         raise ValueError(f"profiling needs at least two batch sizes to fit a line, got {list(batches)}")
     measured = []
     for b in batches:
+        if torch.device(device).type == "cuda":
+            measured.append(memory.device_step_peak(module, (b, *sample_shape), device,
+                                                    num_classes=num_classes, optimizer=optimizer))
+            continue
         fp = memory.footprint(module, (b, *sample_shape), num_classes=num_classes, optimizer=optimizer)
         assert fp.total_measured_bytes is not None  # measure=True is footprint()'s default
         measured.append(int(fp.total_measured_bytes))

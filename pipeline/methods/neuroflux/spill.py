@@ -77,14 +77,17 @@ def block_output_stream(
     }
     spec = Spec(STREAM, parent.spec.num_classes, kept, {**parent.spec.meta, "after_layer": after_layer})
 
+    device = next(layers[0].parameters()).device if layers else torch.device("cpu")
+
     def forward(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
         for m in layers:
             m.eval()  # the block is trained: its batch norms use running statistics
         with torch.no_grad():
-            h = batch["x"]
+            x = batch["x"]
+            h = x.to(device, non_blocking=True)  # the trained layers' device (CUDA: a GPU forward)
             for m in layers:
                 h = m(h)
-        return {**batch, "x": h}
+        return {**batch, "x": h.to(x.device)}  # the spill is written from where its input came
 
     return MapStream(parent, forward, spec)
 

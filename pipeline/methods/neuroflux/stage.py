@@ -20,6 +20,7 @@ next one exists unless ``keep_spills``; the budget (``store.max_bytes``) governs
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from ...ops.prefetch import prefetch
 from ...spec import RESULT, STREAM, Spec
 from ...stage import Stage, StageCall
 from ...stream import Stream
+from ..device import check_precision
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
 from .exit import (
@@ -74,6 +76,17 @@ else:
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
 MIB = 2**20
+
+
+def _measured_by(device: torch.device | None) -> str:
+    """How the memory lines were measured on ``device`` (results name it: budgets compare only so)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return "torch.cuda.max_memory_allocated"
+    return "training-memory meter (saved tensors + weights, gradients, optimizer state)"
+
+
+def net_device(net: nn.Module) -> torch.device:
+    return next(net.parameters()).device
 
 
 def trainable(batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -144,6 +157,7 @@ class _BudgetedTraining(Stage):
 
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
+        check_precision(self.train.precision, ctx.torch_device)
         return Spec(RESULT, inputs["input"].num_classes, meta={"arch": self.arch})
 
     # ------------------------------------------------------------------ data
@@ -170,7 +184,9 @@ class _BudgetedTraining(Stage):
             reached = next((t for t, acc in curve if acc >= self.target_accuracy), None)
         return {"val_curve": curve, "target_accuracy": self.target_accuracy, "time_to_target_s": reached}
 
-    def _profile(self, name: str, module: nn.Module, shape: tuple[int, ...], num_classes: int) -> MemoryFit:
+    def _profile(
+        self, name: str, module: nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device
+    ) -> MemoryFit:
         return profile_module(
             name,
             module,
@@ -178,6 +194,7 @@ class _BudgetedTraining(Stage):
             num_classes=num_classes,
             optimizer=self.train.optimizer,
             batches=self.profile_batches,
+            device=device,
         )
 
 
@@ -220,27 +237,32 @@ class NeuroFlux(_BudgetedTraining):
 
     # ------------------------------------------------------------------ plan
     def profile_layers(
-        self, spec: Spec
+        self, spec: Spec, device: torch.device | None = None
     ) -> tuple[layer_nets.LayerNet, nn.ModuleList, list[aux_heads.LocalLayer], list[MemoryFit]]:
-        """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step."""
+        """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step,
+        on ``device`` (CUDA: the allocator's peak; CPU: the training-memory meter), where they then are."""
+        device = torch.device(device or "cpu")
         net = self._net(spec)
         heads = aux_heads.build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
+        net.to(device)
+        heads.to(device)
         local = [aux_heads.LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
         fits = [
-            self._profile(info.name, local[i], info.in_shape, spec.num_classes)
+            self._profile(info.name, local[i], info.in_shape, spec.num_classes, device)
             for i, info in enumerate(net.info)
         ]
         return net, heads, local, fits
 
-    def memory_plan(self, spec: Spec) -> tuple[str, dict[str, Any]]:
+    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
         """What ``python -m pipeline memory`` shows: every layer's line and the blocks, before training."""
-        net, _, _, fits = self.profile_layers(spec)
+        net, _, _, fits = self.profile_layers(spec, device)
         rows = [
             f"  {f.name:<10} {f.slope / MIB:8.3f} MiB/sample {f.intercept / MIB:8.2f} MiB static  "
             f"R² {f.r2:.4f}  max batch {f.max_batch(self.budget_bytes, self.batch_cap)}"
             for f in fits
         ]
-        out: dict[str, Any] = {"budget_mib": self.memory_budget_mib, "layers": [f.as_dict() for f in fits]}
+        out: dict[str, Any] = {"budget_mib": self.memory_budget_mib, "layers": [f.as_dict() for f in fits],
+                               "measured_by": _measured_by(device)}
         try:
             blocks = self.plan(fits, [info.name for info in net.info])
         except MemoryBudgetError as exc:
@@ -273,7 +295,7 @@ class NeuroFlux(_BudgetedTraining):
         name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
-        net, heads, local, fits = self.profile_layers(images.spec)
+        net, heads, local, fits = self.profile_layers(images.spec, ctx.torch_device)
         names = [info.name for info in net.info]
         profile_seconds = time.perf_counter() - started
         blocks = self.plan(fits, names)
@@ -318,7 +340,8 @@ class NeuroFlux(_BudgetedTraining):
         chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
         compact = aux_heads.ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
         test_split = self._test_split(images)
-        _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split))
+        _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split),
+                                       precision=self.train.precision)
         # Every exit's test accuracy, for reporting only (the choice above saw validation data only):
         # the accuracy-vs-size curve a user picks a different tolerance from.
         exit_test_acc = local_learning.evaluate_heads(local, self._eval_batches(images, test_split))
@@ -363,16 +386,21 @@ class NeuroFlux(_BudgetedTraining):
             "parameter_compression": full_parameters / chosen.parameters,
             "compact_images_per_s": throughput(compact, shape),
             "full_images_per_s": throughput(net, shape),
+            "device": str(ctx.torch_device),
+            "precision": self.train.precision,
+            "memory_measured_by": _measured_by(ctx.torch_device),
             "spills": run.spill_report(),
             "epochs": self.train.epochs,
         }
         metrics["exit_speedup"] = metrics["compact_images_per_s"] / metrics["full_images_per_s"]
         out_dir = ctx.stage_dir(name)
         if self.export and out_dir is not None:
+            # Exported from a CPU copy: the file is for devices, and loads on any machine.
+            compact = copy.deepcopy(compact).cpu()
             path = export_model(compact, shape, out_dir / "exit_model.pt2")
             # Reference inputs and outputs beside the model, so a device can check its copy computes
             # what the toolkit's model computes; checked here once against the exported program.
-            x = next(self._eval_batches(images, test_split))[0][:32]
+            x = next(self._eval_batches(images, test_split))[0][:32].cpu()
             with torch.no_grad():
                 logits = compact(x)
                 diff = (load_exported(path)(x) - logits).abs().max().item()
@@ -393,10 +421,10 @@ class Backprop(_BudgetedTraining):
 
     type_name: ClassVar[str] = "backprop"
 
-    def memory_plan(self, spec: Spec) -> tuple[str, dict[str, Any]]:
+    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
         """What ``python -m pipeline memory`` shows: the whole network's line and the batch it allows."""
-        net = self._net(spec)
-        fit = self._profile("the whole network", net, net.in_shape, spec.num_classes)
+        net = self._net(spec).to(torch.device(device or "cpu"))
+        fit = self._profile("the whole network", net, net.in_shape, spec.num_classes, net_device(net))
         batch = fit.max_batch(self.budget_bytes, self.batch_cap)
         text = (
             f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
@@ -404,14 +432,15 @@ class Backprop(_BudgetedTraining):
             f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
             + ("" if batch else f" (cannot run: needs {fit.bytes_at(1) / MIB:.2f} MiB at batch size 1)")
         )
-        return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch}
+        return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch,
+                      "measured_by": _measured_by(net_device(net))}
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
         name = call.name
         images: Stream = inputs["input"]
         started = time.perf_counter()
-        net = self._net(images.spec)
-        fit = self._profile("the whole network", net, net.in_shape, images.spec.num_classes)
+        net = self._net(images.spec).to(ctx.torch_device)
+        fit = self._profile("the whole network", net, net.in_shape, images.spec.num_classes, ctx.torch_device)
         batch = fit.max_batch(self.budget_bytes, self.batch_cap)
         if batch < 1:
             raise MemoryBudgetError(
@@ -446,12 +475,18 @@ class Backprop(_BudgetedTraining):
             checkpoint_dir=checkpoints,
             on_epoch=on_epoch,
             steps_per_epoch=-(-n_train // batch),
+            bars=ctx.progress,
+            label=name,
+            batch_size=batch,
+            batch_setting=f"stages.{name}.memory_budget_mib (the batch it allows) or stages.{name}.batch_cap",
         )
         train_seconds = time.perf_counter() - started
         state, _ = load_weights(checkpoints / "best.pt")
         net.load_state_dict(state)
         test_split = self._test_split(images)
-        _, test_acc, test_n = evaluate(net, self._eval_batches(images, test_split))
+        _, test_acc, test_n = evaluate(
+            net, self._eval_batches(images, test_split), precision=self.train.precision
+        )
         if scratch is not None:
             scratch.cleanup()
         return {
@@ -470,4 +505,7 @@ class Backprop(_BudgetedTraining):
             **self._curve_metrics(curve),
             "parameters": count_parameters(net),
             "epochs": self.train.epochs,
+            "device": str(ctx.torch_device),
+            "precision": self.train.precision,
+            "memory_measured_by": _measured_by(ctx.torch_device),
         }

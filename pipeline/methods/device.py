@@ -1,0 +1,149 @@
+"""Training on a device: the precision policy, batches from the host, and running out of device memory.
+
+Every trainer (the epoch loop, NeuroFlux's local learning, the memory meter) takes these from
+here, so CPU and CUDA share one code path that differs only where the hardware does:
+
+- **precision**: ``fp32``; ``bf16`` autocast (CPU and CUDA: matmuls and convolutions in bf16,
+  reductions and the loss in fp32, fp32 master weights and optimizer state); ``fp16`` autocast
+  with a ``torch.amp.GradScaler`` (CUDA only: fp16's 5-bit exponent underflows small gradients
+  unless the loss is scaled, and CPU autocast has no fast fp16 kernels to pay for that).
+- **batches from the host** go to a CUDA device from pinned (page-locked) memory with
+  ``non_blocking=True``, so the copy overlaps the previous step's kernels; pinning happens on the
+  producer's thread when there is one (``pinned``), or just before the copy.
+- **out of memory** (``torch.OutOfMemoryError``, CUDA or CPU allocator) becomes a
+  :class:`~pipeline.errors.DeviceMemoryError` naming the stage, the batch size that failed and
+  the setting to lower, instead of an "internal error".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import DeviceMemoryError, StageError
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+Pair = tuple["torch.Tensor", "torch.Tensor"]
+
+
+def check_precision(precision: str, device: torch.device | str, *, where: str = "train.precision") -> None:
+    """Raise a StageError when ``precision`` cannot run on ``device`` (checked before any work)."""
+    device = torch.device(device)
+    if precision not in PRECISIONS:
+        raise StageError(f"{where}: {precision!r} is not a precision; expected one of "
+                         f"{', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise StageError(
+            f"{where}: fp16 needs a CUDA device (autocast with a gradient scaler), but run.device is "
+            f"{device}; use bf16 on a CPU (same memory per value, fp32's exponent range) or fp32"
+        )
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class AmpPolicy:
+    """How one training loop runs its forward and its optimizer step at a precision on a device.
+
+    ``autocast()`` wraps the forward and the loss of one step (entered per step, so autocast's
+    cache of low-precision weight copies never outlives an optimizer step); ``step()`` does the
+    backward, optional gradient clipping and the optimizer step, through the gradient scaler for
+    fp16. The scaler's state is part of a resumable checkpoint (``state_dict``).
+    """
+
+    def __init__(self, precision: str, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        check_precision(precision, self.device)
+        self.precision = precision
+        self.dtype = autocast_dtype(precision)
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        )
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def step(self, loss: torch.Tensor, opt: torch.optim.Optimizer, params: list[nn.Parameter],
+             grad_clip: float | None) -> None:
+        if self.scaler is None:
+            loss.backward()
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        if grad_clip is not None:
+            self.scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(params, grad_clip)
+        self.scaler.step(opt)  # skipped (and the scale lowered) when a gradient overflowed
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "scaler": self.scaler.state_dict() if self.scaler else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("precision") != self.precision:
+            raise ValueError(f"checkpoint trained at {state.get('precision')}, this run at {self.precision}")
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+# ---------------------------------------------------------------------------------------- batches
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()
+
+
+def pinned(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
+    """``batches`` with host tensors page-locked when they are bound for CUDA (run it on the producer
+    thread: pinning copies the batch once, off the training loop). Unchanged for a CPU device."""
+    if torch.device(device).type != "cuda":
+        yield from batches
+        return
+    for x, y in batches:
+        yield _pin(x), _pin(y)
+
+
+def to_device(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
+    """``(x, y)`` on ``device``, labels as int64; host batches cross from pinned memory without blocking."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    for x, y in batches:
+        if cuda:
+            x, y = _pin(x), _pin(y)
+        yield x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda).long()
+
+
+def module_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------- memory
+def out_of_memory(exc: BaseException, *, stage: str, batch_size: int | None, setting: str | None,
+                  device: torch.device | str, during: str) -> DeviceMemoryError:
+    """The error a user sees when ``during`` (e.g. "training, epoch 2") ran out of memory on ``device``."""
+    device = torch.device(device)
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    at = f" at batch size {batch_size}" if batch_size else ""
+    smaller = max(1, batch_size // 2) if batch_size else None
+    fix = (f"set {setting} to a smaller value" + (f" (e.g. {smaller})" if smaller else "")) if setting \
+        else "use a smaller batch size"
+    if device.type == "cuda":
+        fix += ", or free the GPU of other processes (nvidia-smi)"
+    return DeviceMemoryError(
+        f"stage {stage!r} ran out of memory on {device}{at} during {during}: {detail}; {fix}. "
+        "A checkpointed trainer continues from its last finished epoch when run again"
+    )
