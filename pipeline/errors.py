@@ -33,6 +33,11 @@ class ModelError(PipelineError, ValueError):
     """A model request cannot be met (unknown architecture, cut out of range, bad weights)."""
 
 
+class DeviceMemoryError(PipelineError, MemoryError):
+    """The device ran out of memory while working (exit 1): the message names the stage and the batch
+    size that failed and suggests a smaller one."""
+
+
 class MissingPathError(PipelineError, FileNotFoundError):
     """A path the run needs does not exist; the message says how to provide it."""
 
