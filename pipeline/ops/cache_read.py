@@ -194,9 +194,12 @@ class StoredStream(Stream):
         s = self.spec.splits[split]
         return s.num_samples * s.sample_bytes()
 
-    def _splits_kept(self, budget: int, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
-        """The splits a memory budget keeps: train, then val, then the rest, each if it still fits."""
-        kept, room = [], budget
+    def _splits_kept(
+        self, budget: int | None = None, skip: set[str] | frozenset[str] = frozenset()
+    ) -> list[str]:
+        """The splits a memory budget (default ``keep_in_memory_bytes``) keeps: train, then val, then the
+        rest, each if it still fits."""
+        kept, room = [], self.keep_in_memory_bytes if budget is None else budget
         for split in sorted(self.spec.splits, key=lambda name: (name != "train", name != "val")):
             if split in skip:
                 continue
