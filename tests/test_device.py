@@ -56,7 +56,9 @@ def test_valid_device_names_pass(good: str) -> None:
     assert check_device_name(good) == good
 
 
-@pytest.mark.parametrize("bad", ["gpu0", "gpu", "CUDA", "cuda:", "cuda:-1", "cuda:01", "cuda0", "mps", "", 0, None])
+@pytest.mark.parametrize(
+    "bad", ["gpu0", "gpu", "CUDA", "cuda:", "cuda:-1", "cuda:01", "cuda0", "mps", "", 0, None]
+)
 def test_other_device_names_are_refused_naming_the_valid_ones(bad: Any) -> None:
     with pytest.raises(ValueError, match="cpu, cuda, cuda:N, auto"):
         check_device_name(bad)

@@ -105,11 +105,9 @@ class CropFlip:
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """Set the padded output pixels of ``x`` (N, C, H, W), moved by ``source``, to zero; in place."""
-        _, pad_rows, pad_cols = self.positions(x.device)
         if x.device.type != "cpu":
-            # On a GPU one masked fill, with no host round trip to find the padded rows (nonzero would
-            # wait for the GPU); it assigns +0.0 exactly as the indexed assignment below does.
-            return x.masked_fill_(pad_rows[:, None, :, None] | pad_cols[:, None, None, :], 0)
+            return self.zero_padding_masked(x)
+        _, pad_rows, pad_cols = self.positions(x.device)
         sample, row = pad_rows.nonzero(as_tuple=True)
         if len(sample):
             x[sample, :, row, :] = 0
@@ -117,6 +115,13 @@ class CropFlip:
         if len(sample):
             x[sample, :, :, col] = 0
         return x
+
+    def zero_padding_masked(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`zero_padding` as a GPU does it: one masked fill, with no host round trip to find the
+        padded rows (``nonzero`` would wait for the GPU). It assigns +0.0 exactly where the indexed
+        assignment does, so the two give the same bits, on any device."""
+        _, pad_rows, pad_cols = self.positions(x.device)
+        return x.masked_fill_(pad_rows[:, None, :, None] | pad_cols[:, None, None, :], 0)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
