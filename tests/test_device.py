@@ -185,7 +185,7 @@ def test_out_of_memory_in_the_forward_names_stage_batch_and_a_smaller_one() -> N
 def test_out_of_memory_while_building_exits_1_and_the_build_resumes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.codec import quantile
+    from pipeline.codec import features, quantile
 
     path = small_recipe(tmp_path)
     store = tmp_path / "store"
@@ -198,13 +198,14 @@ def test_out_of_memory_while_building_exits_1_and_the_build_resumes(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantile, "quantize", failing)
+    # The codec reads quantile through a lazy stand-in that copies the module's names once used.
+    monkeypatch.setattr(features.quantile, "quantize", failing)
     argv = ["run", str(path), "--store", str(store), "--quiet"]
     assert main([*argv, "--output", str(tmp_path / "o1")]) == 1
     err = capsys.readouterr().err
     assert "'cache'" in err and "out of memory" in err and "smaller batch_size" in err and "resumes" in err
     assert "internal error" not in err
-    monkeypatch.setattr(quantile, "quantize", real)
+    monkeypatch.setattr(features.quantile, "quantize", real)
     assert main([*argv, "--output", str(tmp_path / "o2")]) == 0
     (entry,) = Catalog(store).entries()
     manifest = json.loads((Path(entry.path) / "manifest.json").read_text())
