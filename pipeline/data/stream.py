@@ -124,8 +124,13 @@ class DatasetStream(Stream):
             images = samples.decode(raw)
             return images if augment is None else augment(images, idx, epoch=epoch, seed=seed)
 
-        # GPU consumer, background placement: the whole CPU half, normalization included, on the loader.
+        # GPU consumer, background placement: the whole CPU half, normalization included, on the loader,
+        # its decoding spread over ``threads`` threads: a GPU's frozen forward takes thousands of images
+        # a second, which one decoding thread cannot supply.
         finished = self.pin_memory and not between
+        busy = samples.decodes or augment is not None
+        spread = (between or (finished and busy)) and self.threads > 1
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
 
         def loaded() -> Iterator[tuple[np.ndarray, Any]]:
             # Background thread: file reads always; decoding and augmentation too unless they run
@@ -134,9 +139,12 @@ class DatasetStream(Stream):
                 t0 = time.perf_counter()
                 idx = order[pos : pos + self.batch_size]
                 raw = samples.read(idx)
-                item: Any = raw if between else pixels(raw, idx)
+                item: Any = raw
                 if finished:
-                    item = self.decoder(item).pin_memory()
+                    item = pixels(raw, idx) if pool is None else self._spread(pool, pixels, raw, idx)
+                    item = _pinned(self.decoder(item))
+                elif not between:
+                    item = pixels(raw, idx)
                 self.stats.add(time.perf_counter() - t0, len(idx))
                 yield idx, item
 
@@ -146,16 +154,14 @@ class DatasetStream(Stream):
         # on the consumer's team, between its own ops.
         ready = cast(Generator[tuple[np.ndarray, Any], None, None],
                      prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}"))
-        spread = between and self.threads > 1
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
         try:
             for idx, item in ready:
                 t0 = time.perf_counter()
                 if between:
                     item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
                 x = item if finished else self.decoder(item)
-                if self.pin_memory and not x.is_pinned():
-                    x = x.pin_memory()
+                if self.pin_memory:
+                    x = _pinned(x)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
                 yield {
                     "x": x,
@@ -176,6 +182,14 @@ class DatasetStream(Stream):
         ends = zip(bounds[:-1], bounds[1:], strict=True)
         parts = [pool.submit(pixels, raw[a:b], idx[a:b]) for a, b in ends]
         return concat_images([part.result() for part in parts])
+
+
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in page-locked memory (pinning needs a CUDA driver: without one, ``x`` as it is, so the
+    GPU consumer's placement runs, and is tested, on any machine)."""
+    if not torch.cuda.is_available() or x.is_pinned():
+        return x
+    return x.pin_memory()
 
 
 def placement(cpu_work: str, threads: int | None, device: str | torch.device) -> tuple[str, int]:
