@@ -287,7 +287,9 @@ def test_a_gpu_build_agrees_with_a_cpu_build_within_the_stated_bound(tmp_path: P
     assert built["device"].startswith("cuda") and built["name"] == torch.cuda.get_device_name(0)
     a = zarr.open_group(str(Path(cpu.path) / "data.zarr"), mode="r")
     b = zarr.open_group(str(Path(gpu.path) / "data.zarr"), mode="r")
-    c, h, w = json.loads(json.dumps(a.attrs.asdict()))["pipeline_spec"]["meta"]["feature_shape"]
+    quantization = StoredStream(Path(cpu.path)).spec.quantization
+    assert quantization is not None
+    c, h, w = quantization.feature_shape
     ca = unpack(torch.from_numpy(a["train/codes"][:]), 2, c * h * w).int()
     cb = unpack(torch.from_numpy(b["train/codes"][:]), 2, c * h * w).int()
     diff = (ca - cb).abs()
