@@ -182,6 +182,8 @@ class StoredStream(Stream):
         self._read_on_lock = threading.Lock()
         self.keep_in_memory_bytes = keep_in_memory_bytes
         self.device = device if device is not None and device.type == "cuda" else None
+        if self.device is not None and self.device.index is None:  # the current CUDA device, by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.keep_on_device_bytes = keep_on_device_bytes if self.device is not None else 0
         # Splits held in GPU memory (filled as they are read); the others may be held in host memory.
         self._on_device = set(self._splits_kept(self.keep_on_device_bytes))

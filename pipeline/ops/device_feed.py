@@ -64,6 +64,8 @@ def to_device(batches: Iterable[Batch], device: torch.device, keys: Iterable[str
     if device.type != "cuda":
         yield from source
         return
+    if device.index is None:  # "cuda": the current CUDA device, named so tensors' devices compare equal
+        device = torch.device("cuda", torch.cuda.current_device())
     copy_stream = torch.cuda.Stream(device)
     queued: deque[tuple[Batch, Any]] = deque()
 
@@ -81,7 +83,7 @@ def to_device(batches: Iterable[Batch], device: torch.device, keys: Iterable[str
         consumer.wait_event(done)
         for key in keys:
             value = moved.get(key)
-            if value is not None and value.device == device:
+            if value is not None and value.is_cuda:
                 value.record_stream(consumer)  # allocated on the copy stream, used on this one
         return moved
 
