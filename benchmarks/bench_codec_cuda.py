@@ -167,7 +167,14 @@ def main() -> None:
     directory = args.results_dir
     if device.type != "cuda":
         directory = directory or Path(tempfile.mkdtemp(prefix="bench-codec-cuda-check-"))
+    compress = max(r["compress_us_per_map"]["min"] for r in rows)
+    decompress = max(r["decompress_crop_flip_us_per_map"]["min"] for r in rows)
+    same = all(all(r["gpu_equals_cpu_bits"].values()) for r in rows)
+    bits_note = "the CPU's bits" if same else "NOT the CPU's bits"
     path = write_result("codec_cuda", {
+        "headline": f"{gpu or device}: quantize+pack ≤ {compress:.2f} µs, unpack+dequantize+crop/flip ≤ "
+        f"{decompress:.2f} µs per 96x14x14 map (batches {', '.join(map(str, args.batches))}); "
+        f"{bits_note}",
         "question": "codec on the GPU: quantize + pack, unpack + dequantize (+ crop/flip) per 96x14x14 map, "
         "batched; bus bytes of stored codes vs float32 maps; torch ops vs torch.compile",
         "device": str(device),

@@ -226,7 +226,13 @@ def run(args: argparse.Namespace, write_image_folder: Any, num_images: Any) -> P
         ),
         "cache_build_at_least_90pct_of_bare_forward": all(r["build_over_bare_forward"] >= 0.90 for r in rows),
     }
+    speed = [r["speedup_two_vs_single"] for r in rows]
+    limit = [r["two_stage_over_compute_limit"] for r in rows]
+    build = [r["build_over_bare_forward"] for r in rows]
     payload = {
+        "headline": f"{gpu or device}: two-stage {min(speed):.2f}–{max(speed):.2f}× faster per epoch than "
+        f"single-stage; {min(limit):.2f}–{max(limit):.2f}× the compute limit; build "
+        f"{min(build):.2f}–{max(build):.2f}× the bare forward",
         "question": "on a GPU: per-epoch time single-stage vs two-stage (from cache) vs compute limit; cache "
         "build throughput vs the bare GPU frozen forward; JPEG decoding on CPU threads vs on the GPU",
         "device": str(device),
