@@ -49,6 +49,10 @@ The cached splits are small enough to stay in memory after their first read (the
 also runs the two-stage pass with ``keep_in_memory_bytes: 0`` (every epoch reads, checks and
 decompresses the chunks again), reported beside the bar as ``two_stage_from_storage_*``.
 Usage: python -m benchmarks.bench_cache_reuse [--samples 512] [--epochs 3] [--bits 2] [--build-images 1024]
+
+On a GPU: ``--device cuda [--batches 32 128] [--compile]`` runs :mod:`benchmarks.cache_reuse_cuda`
+instead (writes ``cache_reuse_epoch_time_cuda.json``; refuses, exit 2, without CUDA). ``--device cpu
+--quick`` runs that GPU benchmark's code on this CPU, briefly, as a check, writing to a temporary folder.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks import cache_reuse_cuda
 from benchmarks._meta import write_result
 from pipeline.codec import native
 from pipeline.context import RunContext
@@ -404,7 +409,18 @@ def main() -> None:
         default=None,
         help="write the JSON here instead of benchmarks/results (a trial run must not replace a result)",
     )
+    ap.add_argument(
+        "--device", default="cpu",
+        help="cpu (this benchmark) or cuda / cuda:N (the GPU one: benchmarks/cache_reuse_cuda.py)",
+    )
+    cache_reuse_cuda.add_arguments(ap)
     args = ap.parse_args()
+    if args.device != "cpu" or args.quick:
+        if args.quick:
+            cache_reuse_cuda.quick(args)
+        cache_reuse_cuda.run(args, write_image_folder, num_images)
+        return
+    del args.device, args.batches, args.compile, args.quick  # the GPU run's options
     results_dir = args.results_dir
     del args.results_dir  # where the result goes is not a setting of the measurement
     rows = []

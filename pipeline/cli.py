@@ -23,7 +23,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
-from .errors import PipelineError, Terminated, missing_dependency
+from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -290,6 +290,11 @@ def _main(args: argparse.Namespace) -> int:
             "`cache repair ENTRY` recomputes only those)",
             file=sys.stderr,
         )
+        return EXIT_FAILED
+    except DeviceMemoryError as exc:  # met while working: the recipe was valid, the batch too large here
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except ModuleNotFoundError as exc:  # stages import their libraries when first used (pipeline.lazy)
         if os.environ.get("ONDEVICE_TL_DEBUG"):

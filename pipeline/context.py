@@ -15,6 +15,7 @@ import torch
 
 from stores.catalog import Catalog
 
+from .device import resolve_device
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ class RunContext:
     catalog: Catalog
     output_dir: Path | None = None
     seed: int = 0
+    # run.device as the recipe says it (cpu, cuda, cuda:N, auto); resolved once, in __post_init__,
+    # into ``torch_device``: after that ``device`` names the resolved device (auto -> cpu or cuda:0).
     device: str = "cpu"
     recipe_name: str = "recipe"
     recipe_path: str | None = None
@@ -52,9 +55,13 @@ class RunContext:
     # from recipe.executor; stages call it instead of importing an executor.
     executor: CacheExecutor | None = None
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The one place a device name becomes a device: a CUDA device that is not there fails here,
+        # when the run is set up, before any stage works (pipeline.device).
+        self.torch_device = resolve_device(self.device)
+        self.device = str(self.torch_device)
 
     def metrics_log(self, record: dict[str, Any]) -> None:
         """Append one JSON line to the run's metrics.jsonl (per epoch, per stage)."""

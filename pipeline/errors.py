@@ -33,6 +33,12 @@ class ModelError(PipelineError, ValueError):
     """A model request cannot be met (unknown architecture, cut out of range, bad weights)."""
 
 
+class DeviceMemoryError(PipelineError, MemoryError):
+    """The device (a GPU, or the CPU's RAM) ran out of memory while working: exit 1, not bad input, as
+    the recipe is valid and the machine could not hold it at this size. The message names the stage,
+    the batch size that failed and the setting to lower."""
+
+
 class MissingPathError(PipelineError, FileNotFoundError):
     """A path the run needs does not exist; the message says how to provide it."""
 
@@ -74,12 +80,3 @@ def missing_dependency(exc: ModuleNotFoundError) -> str:
         "install the project into it (`pip install -e .` in the repository, as the README's first "
         "command does)"
     )
-
-
-class DeviceMemoryError(OSError):
-    """The device (GPU, or the CPU's RAM) ran out of memory while working.
-
-    An ``OSError`` rather than a :class:`PipelineError` on purpose: the recipe is valid and the
-    machine could not hold it at this size, so the CLI reports a failure while working (exit 1),
-    not bad input (exit 2). The message names the stage, the batch size and the setting to lower.
-    """

@@ -48,7 +48,9 @@ class AugmentWhileDequantizing(Stream):
 
     def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
              start: int = 0) -> Iterator[Batch]:
-        batches = self.source.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
+        batches = self.dequantized.fed(
+            self.source.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
+        )
         for batch in batches:
             n = batch_size_of(batch)
             t0 = time.perf_counter()

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from .device import check_device_name
 from .errors import MissingPathError, ModelError, RecipeError, did_you_mean
 from .registry import stage_class
 from .stage import Stage
@@ -35,12 +36,21 @@ class StoreConfig(BaseModel):
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    device: str = "cpu"
+    device: str = Field(
+        "cpu",
+        description="where the stages compute: cpu, cuda, cuda:N (a GPU's index) or auto (CUDA when "
+        "available, else cpu); never part of a fingerprint",
+    )
     threads: int | Literal["auto"] = Field(
         "auto",
         description="torch intra-op threads: auto (the cores this process may use, adapted while training "
         "when other work slows the steps down) or a fixed count >= 1",
     )
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> str:
+        return check_device_name(value)
 
     @field_validator("threads", mode="before")
     @classmethod

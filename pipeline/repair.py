@@ -61,6 +61,7 @@ def repair_entry(
     ctx = RunContext(
         catalog=catalog,
         seed=recipe.seed,
+        device=recipe.run.device,  # recomputed where the recipe computes (--set run.device=cpu to change)
         recipe_name=recipe.name,
         recipe_path=recipe.source,
         progress=progress or Progress(quiet=True),

@@ -39,7 +39,7 @@ PACKAGES = ("pipeline", "stores")
 SHARED = {
     "pipeline", "pipeline.errors", "pipeline.spec", "pipeline.stage", "pipeline.context", "pipeline.stream",
     "pipeline.lazy", "pipeline.progress", "pipeline.switches", "pipeline.storepath", "pipeline.heap",
-    "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching",
+    "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching", "pipeline.device",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api")),

@@ -162,6 +162,6 @@ def unpack_reference(packed: torch.Tensor, bits: int, n_elements: int) -> torch.
     _check_2d(packed, "packed")
     n, plen = packed.shape
     per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     out = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)
     return out.reshape(n, plen * per)[:, :n_elements].contiguous()

@@ -8,12 +8,14 @@ block's outputs with the same codec.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import StageError
 from ..lazy import lazy_module
-from ..ops.batching import Batch
+from ..ops.batching import Batch, batch_size_of
+from ..ops.device_feed import to_device
 from ..spec import FieldSpec, Quantization, Spec, SplitSpec
 from ..stream import MapStream, Stream
 
@@ -94,15 +96,28 @@ def encoded(parent: Stream, spec: Spec, bits_for: Callable[[str], int], k: float
     return MapStream(parent, encode, spec)
 
 
+# What a training step needs on its device: the coded maps and the labels (sample ids stay on the
+# host, where seeded feature augmentation reads them).
+DEVICE_KEYS = ("codes", "lo", "scale", "x", "y")
+
+
 class DequantizedStream(MapStream):
-    """A coded stream's batches as float32 feature maps ``x``.
+    """A coded stream's batches as float32 feature maps ``x``, made on ``device``.
 
     :meth:`decode` can also crop and flip each map while it dequantizes, which is how the
     runner's dequantize + feature_aug fusion (``pipeline.fusion``) moves the stored codes
     instead of the floats.
+
+    On a GPU the stored bytes go to the device as they are (packed codes, float16 ``lo`` and
+    ``scale``: at 2 bits 16x fewer than float32 maps), pinned and copied a few batches ahead
+    (:func:`pipeline.ops.device_feed.to_device`), and the unpacking, Eq. 3 and the moves run there
+    with the same torch ops the CPU falls back to, which give the CPU's bits: the unpacking is
+    integer work, the moves are gathers and assignments of +0.0, and Eq. 3 is an exact product and
+    one float32 addition, correctly rounded on both (``tests/test_cuda_data.py`` checks it).
     """
 
-    def __init__(self, parent: Stream, spec: Spec) -> None:
+    def __init__(self, parent: Stream, spec: Spec, *, device: torch.device | None = None,
+                 feed_depth: int = 3) -> None:
         super().__init__(parent, lambda batch, *_: self.decode(batch), spec)
         q = spec.quantization
         if q is None:
@@ -110,27 +125,45 @@ class DequantizedStream(MapStream):
         c, h, w = q.feature_shape  # (C, H, W) maps, as quantize required
         self.shape = (c, h, w)
         self.bits = q.bits
+        self.device = device if device is not None else torch.device("cpu")
+        self.feed_depth = feed_depth
+
+    def fed(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """``batches`` (as stored) on this stream's device, copied ``feed_depth`` batches ahead."""
+        return to_device(batches, self.device, DEVICE_KEYS, depth=self.feed_depth)
+
+    def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+             start: int = 0) -> Iterator[Batch]:
+        batches = self.fed(self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start))
+        for batch in batches:
+            t0 = time.perf_counter()
+            out = self.decode(batch)
+            self.stats.add(time.perf_counter() - t0, batch_size_of(out))
+            yield out
 
     def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
         """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.
 
-        ``crop`` moves every map on the way, its padding +0.0. The compiled kernel makes the maps
-        in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give the
-        same bits otherwise.
+        ``crop`` moves every map on the way, its padding +0.0. On the CPU the compiled kernel makes
+        the maps in one pass when it can be built here (:mod:`pipeline.codec.native`); torch ops give
+        the same bits otherwise, and are what runs on a GPU, where the batch already is.
         """
         out = {k: v for k, v in batch.items() if k not in ("codes", "lo", "scale", "x")}
         if "codes" in batch:
-            move = None if crop is None else crop.move
-            x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits, self.shape,
-                                        move, threads=torch.get_num_threads())
+            device = batch["codes"].device
+            x = None
+            if device.type == "cpu":
+                move = None if crop is None else crop.move
+                x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits,
+                                            self.shape, move, threads=torch.get_num_threads())
             if x is None:
                 q = quantile.QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"],
                                             bits=self.bits, shape=self.shape)
-                x = quantile.dequantize(q, None if crop is None else crop.source)
+                x = quantile.dequantize(q, None if crop is None else crop.source_on(device))
                 if crop is not None:
                     crop.zero_padding(x)
         elif crop is not None:  # stored as floats: move the (float16) values, then widen them
-            x = crop.zero_padding(quantile.move_planes(batch["x"], crop.source).float())
+            x = crop.zero_padding(quantile.move_planes(batch["x"], crop.source_on(batch["x"].device)).float())
         else:
             x = batch["x"].float()
         out["x"] = x

@@ -58,41 +58,74 @@ class CropFlip:
         return self.dy, self.dx, self.flip
 
     @cached_property
-    def _as_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, h, w = len(self.dy), self.h, self.w
-        dy, dx = torch.from_numpy(self.dy.astype(np.int64)), torch.from_numpy(self.dx.astype(np.int64))
-        flip = torch.from_numpy(np.asarray(self.flip, dtype=bool))
-        rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h) source rows
-        cols = torch.arange(w)[None, :].expand(n, w)
-        cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
-        source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
-        return source.reshape(n, h * w), (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
+    def _positions(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def positions(
+        self, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(source, pad_rows, pad_cols) on ``device``, computed there on first use (one implementation
+        for the CPU and a GPU: only the per-sample dy, dx and flip cross to a GPU, a few bytes each)."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._positions:
+            n, h, w = len(self.dy), self.h, self.w
+
+            def put(a: np.ndarray) -> torch.Tensor:
+                t = torch.from_numpy(np.ascontiguousarray(a))
+                if device.type == "cuda":  # pinned + non_blocking: no wait for the GPU's queue here
+                    t = t.pin_memory().to(device, non_blocking=True)
+                return t
+
+            dy, dx = put(self.dy.astype(np.int64)), put(self.dx.astype(np.int64))
+            flip = put(np.asarray(self.flip, dtype=bool))
+            rows = dy[:, None] + torch.arange(h, device=device)[None, :]  # (n, h) source rows
+            cols = torch.arange(w, device=device)[None, :].expand(n, w)
+            cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
+            source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
+            pad_rows, pad_cols = (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
+            self._positions[key] = (source.reshape(n, h * w), pad_rows, pad_cols)
+        return self._positions[key]
 
     @property
     def source(self) -> torch.Tensor:
-        return self._as_positions[0]
+        return self.positions()[0]
 
     @property
     def pad_rows(self) -> torch.Tensor:
-        return self._as_positions[1]
+        return self.positions()[1]
 
     @property
     def pad_cols(self) -> torch.Tensor:
-        return self._as_positions[2]
+        return self.positions()[2]
+
+    def source_on(self, device: torch.device) -> torch.Tensor:
+        """``source`` on ``device`` (where the maps it moves are)."""
+        return self.positions(device)[0]
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """Set the padded output pixels of ``x`` (N, C, H, W), moved by ``source``, to zero; in place."""
-        sample, row = self.pad_rows.nonzero(as_tuple=True)
+        if x.device.type != "cpu":
+            return self.zero_padding_masked(x)
+        _, pad_rows, pad_cols = self.positions(x.device)
+        sample, row = pad_rows.nonzero(as_tuple=True)
         if len(sample):
             x[sample, :, row, :] = 0
-        sample, col = self.pad_cols.nonzero(as_tuple=True)
+        sample, col = pad_cols.nonzero(as_tuple=True)
         if len(sample):
             x[sample, :, :, col] = 0
         return x
 
+    def zero_padding_masked(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`zero_padding` as a GPU does it: one masked fill, with no host round trip to find the
+        padded rows (``nonzero`` would wait for the GPU). It assigns +0.0 exactly where the indexed
+        assignment does, so the two give the same bits, on any device."""
+        _, pad_rows, pad_cols = self.positions(x.device)
+        return x.masked_fill_(pad_rows[:, None, :, None] | pad_cols[:, None, None, :], 0)
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
-        return self.zero_padding(quantile.move_planes(x, self.source))
+        return self.zero_padding(quantile.move_planes(x, self.source_on(x.device)))
 
 
 def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:

@@ -60,6 +60,11 @@ class DatasetStream(Stream):
       background decoder costs more wall time than its own CPU time; spread over all cores
       between steps it costs its CPU time divided by the cores. When the stream is itself pulled
       by a prefetch thread, there are no steps on it to fit between, and it decodes as "background".
+
+    With ``pin_memory`` (the consumer computes on a GPU) the finished images are page-locked, and in
+    "background" placement the resize and normalization run on the loader thread too: the GPU does
+    the compute, so the CPU threads' only job is to keep it fed, and a pinned batch leaves the
+    consumer's thread nothing but issuing an asynchronous copy.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class DatasetStream(Stream):
         prefetch_depth: int,
         cpu_work: str = "background",
         threads: int = 1,
+        pin_memory: bool = False,
     ) -> None:
         if cpu_work not in CPU_WORK:
             raise ValueError(f"cpu_work must be one of {CPU_WORK}, got {cpu_work!r}")
@@ -85,6 +91,9 @@ class DatasetStream(Stream):
         self.prefetch_depth = prefetch_depth
         self.cpu_work = cpu_work
         self.threads = max(1, int(threads))
+        # For a GPU consumer: images are made in page-locked memory, so their copy to the device
+        # (pipeline.ops.device_feed) is asynchronous and overlaps the forward.
+        self.pin_memory = pin_memory
         self.stats = StreamStats()
 
     def open(
@@ -115,6 +124,14 @@ class DatasetStream(Stream):
             images = samples.decode(raw)
             return images if augment is None else augment(images, idx, epoch=epoch, seed=seed)
 
+        # GPU consumer, background placement: the whole CPU half, normalization included, on the loader,
+        # its decoding spread over ``threads`` threads: a GPU's frozen forward takes thousands of images
+        # a second, which one decoding thread cannot supply.
+        finished = self.pin_memory and not between
+        busy = samples.decodes or augment is not None
+        spread = (between or (finished and busy)) and self.threads > 1
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
+
         def loaded() -> Iterator[tuple[np.ndarray, Any]]:
             # Background thread: file reads always; decoding and augmentation too unless they run
             # between steps (PIL, OpenCV and albumentations release the GIL in their heavy parts).
@@ -122,7 +139,12 @@ class DatasetStream(Stream):
                 t0 = time.perf_counter()
                 idx = order[pos : pos + self.batch_size]
                 raw = samples.read(idx)
-                item = raw if between else pixels(raw, idx)
+                item: Any = raw
+                if finished:
+                    item = pixels(raw, idx) if pool is None else self._spread(pool, pixels, raw, idx)
+                    item = _pinned(self.decoder(item))
+                elif not between:
+                    item = pixels(raw, idx)
                 self.stats.add(time.perf_counter() - t0, len(idx))
                 yield idx, item
 
@@ -132,14 +154,14 @@ class DatasetStream(Stream):
         # on the consumer's team, between its own ops.
         ready = cast(Generator[tuple[np.ndarray, Any], None, None],
                      prefetch(loaded(), self.prefetch_depth, name=f"decode-{split}"))
-        spread = between and self.threads > 1
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"decode-{split}") if spread else None
         try:
             for idx, item in ready:
                 t0 = time.perf_counter()
                 if between:
                     item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
-                x = self.decoder(item)
+                x = item if finished else self.decoder(item)
+                if self.pin_memory:
+                    x = _pinned(x)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
                 yield {
                     "x": x,
@@ -162,7 +184,15 @@ class DatasetStream(Stream):
         return concat_images([part.result() for part in parts])
 
 
-def placement(cpu_work: str, threads: int | None, device: str) -> tuple[str, int]:
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in page-locked memory (pinning needs a CUDA driver: without one, ``x`` as it is, so the
+    GPU consumer's placement runs, and is tested, on any machine)."""
+    if not torch.cuda.is_available() or x.is_pinned():
+        return x
+    return x.pin_memory()
+
+
+def placement(cpu_work: str, threads: int | None, device: str | torch.device) -> tuple[str, int]:
     """(placement, threads) for a DatasetStream: ``auto`` is between_steps on a CPU device, whose cores
     the consumer's compute already fills; threads default to torch's (``run.threads``)."""
     if cpu_work == "auto":

@@ -23,6 +23,7 @@ from ..spec import spec_from_json
 from ..stream import Stream, StreamStats
 from .batching import Batch
 from .cache_write import SPEC_ATTR
+from .device_feed import move_batch, pinned
 from .prefetch import StartedPrefetch, prefetch
 from .shuffle import window_shuffle
 
@@ -86,10 +87,17 @@ def _decode_chunks(
             close()
 
 
-def _keeping(chunks: Iterator[Batch], order: np.ndarray, held: dict[int, Batch]) -> Iterator[Batch]:
-    """``chunks`` (read in ``order``), each also put in ``held`` under its chunk index as it passes."""
+def _keeping(chunks: Iterator[Batch], order: np.ndarray, held: dict[int, Batch],
+             device: torch.device | None = None) -> Iterator[Batch]:
+    """``chunks`` (read in ``order``), each also put in ``held`` under its chunk index as it passes;
+    with a ``device``, moved there first (all but the sample ids) and held there."""
     try:
         for index, batch in zip(order, chunks, strict=True):
+            if device is not None:
+                keys = [k for k in batch if k != "id"]
+                # On the reader's thread: pinned, then copied on the device's default stream, which
+                # orders it before any kernel the consumer queues on that batch.
+                batch = move_batch(pinned(batch, keys), device, keys)
             held[int(index)] = batch
             yield batch
     finally:
@@ -137,6 +145,12 @@ class StoredStream(Stream):
     then val, then the rest, each if it fits in what the others left of the budget; 0 keeps
     nothing. The held batches are shared by every later pass, so consumers must not modify a batch
     in place (no stage of the toolkit does: each makes new tensors).
+
+    **On a GPU, splits stay in device memory.** With a CUDA ``device``, splits whose stored chunks
+    fit in ``keep_on_device_bytes`` (admitted as above: train, then val) are copied to the device as
+    their chunks are first read, and held there instead of in host memory: from the second epoch on,
+    their passes read, decompress and copy nothing, and the window shuffle permutes them on the
+    device. Sample ids stay on the host (seeded feature augmentation reads them there).
     """
 
     def __init__(
@@ -150,6 +164,8 @@ class StoredStream(Stream):
         hold: Any = None,
         prefetch_max_bytes: int | None = None,
         keep_in_memory_bytes: int = 0,
+        device: torch.device | None = None,
+        keep_on_device_bytes: int = 0,
     ) -> None:
         self.path = Path(path)
         self.prefetch_max_bytes = prefetch_max_bytes
@@ -165,18 +181,30 @@ class StoredStream(Stream):
         self._read_on: dict[str, tuple[int, int, StartedPrefetch[Batch]]] = {}
         self._read_on_lock = threading.Lock()
         self.keep_in_memory_bytes = keep_in_memory_bytes
+        self.device = device if device is not None and device.type == "cuda" else None
+        if self.device is not None and self.device.index is None:  # the current CUDA device, by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.keep_on_device_bytes = keep_on_device_bytes if self.device is not None else 0
+        # Splits held in GPU memory (filled as they are read); the others may be held in host memory.
+        self._on_device = set(self._splits_kept(self.keep_on_device_bytes))
+        kept = self._on_device | set(self._splits_kept(self.keep_in_memory_bytes, skip=self._on_device))
         # split -> chunk index -> decoded chunk, for the splits kept in memory (filled as they are read)
-        self._held: dict[str, dict[int, Batch]] = {split: {} for split in self._splits_kept()}
+        self._held: dict[str, dict[int, Batch]] = {split: {} for split in kept}
 
     def split_bytes(self, split: str) -> int:
         """Decoded bytes of all of ``split``: what keeping it in memory holds."""
         s = self.spec.splits[split]
         return s.num_samples * s.sample_bytes()
 
-    def _splits_kept(self) -> list[str]:
-        """The splits kept in memory: train, then val, then the rest, each if it still fits the budget."""
-        kept, room = [], self.keep_in_memory_bytes
+    def _splits_kept(
+        self, budget: int | None = None, skip: set[str] | frozenset[str] = frozenset()
+    ) -> list[str]:
+        """The splits a memory budget (default ``keep_in_memory_bytes``) keeps: train, then val, then the
+        rest, each if it still fits."""
+        kept, room = [], self.keep_in_memory_bytes if budget is None else budget
         for split in sorted(self.spec.splits, key=lambda name: (name != "train", name != "val")):
+            if split in skip:
+                continue
             size = self.split_bytes(split)
             if 0 < size <= room:
                 kept.append(split)
@@ -188,9 +216,18 @@ class StoredStream(Stream):
         held = self._held.get(split)
         return held is not None and len(held) == self.reader.num_chunks(split)
 
+    def on_device(self, split: str) -> bool:
+        """True when ``split`` is held in GPU memory (once read) rather than host memory."""
+        return split in self._on_device
+
     def held_bytes(self) -> int:
-        """Bytes the splits kept in memory hold once read (0 when ``keep_in_memory_bytes`` admits none)."""
-        return sum(self.split_bytes(split) for split in self._held)
+        """Host bytes the splits kept in memory hold once read (0 when ``keep_in_memory_bytes`` admits
+        none; splits held on a GPU are not counted)."""
+        return sum(self.split_bytes(split) for split in self._held if split not in self._on_device)
+
+    def device_bytes(self) -> int:
+        """GPU bytes the splits kept on the device hold once read."""
+        return sum(self.split_bytes(split) for split in self._on_device)
 
     def stored_bytes(self) -> int:
         return self.size_bytes
@@ -245,7 +282,7 @@ class StoredStream(Stream):
             raw = prefetch(raw, fetched, name=f"fetch-{split}")
         chunks = _decode_chunks(self.reader, self.stats, raw, held)
         if held is not None:
-            chunks = _keeping(chunks, order, held)
+            chunks = _keeping(chunks, order, held, self.device if split in self._on_device else None)
         if start_now:
             return StartedPrefetch(chunks, decoded, name=f"decode-{split}")
         return prefetch(chunks, decoded, name=f"decode-{split}")

@@ -16,8 +16,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from stores.entry import (
     EntryLayout,
     EntryWriter,
@@ -27,11 +25,17 @@ from stores.entry import (
 )
 from stores.layout import ArraySpec
 
+from ..lazy import lazy_module
 from ..spec import STREAM, Spec, spec_to_json
 from ..stream import Stream, samples_from
+from .batching import Batch
 
 if TYPE_CHECKING:
+    import torch
+
     from ..stage import Stage
+else:
+    torch = lazy_module("torch")
 
 SPEC_ATTR = "pipeline_spec"
 
@@ -119,7 +123,7 @@ class _BackgroundWriter:
     def __init__(self, open_writer: Callable[[], EntryWriter], depth: int = 4) -> None:
         self.open_writer = open_writer
         self.writer: EntryWriter | None = None
-        self.q: queue.Queue[tuple[str, int, dict[str, np.ndarray]] | None] = queue.Queue(maxsize=depth)
+        self.q: queue.Queue[tuple[str, int, dict[str, Any], Any] | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._work, name="cache-writer", daemon=True)
         self.thread.start()
@@ -131,17 +135,22 @@ class _BackgroundWriter:
             self.error = exc
         while (item := self.q.get()) is not None:
             if self.error is None:
-                group, start, arrays = item
+                group, start, arrays, ready = item
                 try:
                     assert self.writer is not None  # set before any error-free item
+                    if ready is not None:  # copies from a GPU still in flight: wait for them here
+                        ready.synchronize()
+                        arrays = {k: v.numpy() for k, v in arrays.items()}
                     self.writer.write_at(group, start, arrays)
                 except BaseException as exc:  # reported by put()/finish()
                     self.error = exc
 
-    def put(self, group: str, start: int, arrays: dict[str, np.ndarray]) -> None:
+    def put(self, group: str, start: int, arrays: dict[str, Any], ready: Any = None) -> None:
+        """Queue ``arrays`` (numpy) for writing; or CPU tensors still being copied from a GPU, with the
+        CUDA event ``ready`` that completes when they are."""
         if self.error is not None:
             raise self.error
-        self.q.put((group, start, arrays))
+        self.q.put((group, start, arrays, ready))
 
     def finish(self) -> EntryWriter:
         """Wait for every batch to be written; the writer (to close), or the first error raised."""
@@ -151,6 +160,19 @@ class _BackgroundWriter:
             raise self.error
         assert self.writer is not None
         return self.writer
+
+
+def host_arrays(batch: Batch) -> tuple[dict[str, Any], Any]:
+    """``batch`` on its way to the host: (numpy arrays, None) from CPU tensors; from a GPU, (CPU tensors
+    being copied asynchronously, the CUDA event that completes with the copies), so the device goes on
+    to the next batch's forward while this one's codes cross the bus and the writer thread waits."""
+    if all(v.device.type == "cpu" for v in batch.values()):
+        return {k: v.detach().numpy() for k, v in batch.items()}, None
+    device = next(v.device for v in batch.values() if v.device.type != "cpu")
+    host = {k: v.detach().to("cpu", non_blocking=True) for k, v in batch.items()}
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))  # the copies were queued on that stream
+    return host, ready
 
 
 def write_stream(
@@ -215,7 +237,7 @@ def write_stream(
             position = done[split]  # the first sample not stored yet
             for batch in samples_from(stream, split, position, batch_period):
                 n = len(next(iter(batch.values())))
-                background.put(split, position, {k: v.detach().cpu().numpy() for k, v in batch.items()})
+                background.put(split, position, *host_arrays(batch))
                 position += n
                 if progress is not None:
                     progress.update(n)

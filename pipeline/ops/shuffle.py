@@ -30,7 +30,10 @@ def window_shuffle(batches: Iterable[Batch], window: int, *, seed: int, out_size
         order = torch.randperm(count, generator=gen)
         # index_select copies whole rows; v[order] indexes element by element, far slower on the
         # wide packed rows, and this runs at every epoch's first step.
-        merged = {k: torch.index_select(v, 0, order) for k, v in merged.items()}
+        # Chunks held on a GPU (StoredStream's keep_on_device) are permuted there.
+        on = {str(v.device) for v in merged.values()}
+        orders = {d: order if d == "cpu" else order.to(d, non_blocking=True) for d in on}
+        merged = {k: torch.index_select(v, 0, orders[str(v.device)]) for k, v in merged.items()}
         for start in range(0, count, out_size):
             yield split_batch(merged, start, min(start + out_size, count))
 

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from ..errors import StageError
+from ..device import device_description, is_out_of_memory
+from ..errors import DeviceMemoryError, StageError
 from ..fingerprint import is_cacheable
 from ..ops.cache import StoredStream, cache_layout, stream_batch_period, write_stream
 from ..spec import STREAM, Spec
@@ -36,7 +37,8 @@ class Cache(Stage):
     resumable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through", "keep_in_memory_bytes"}
+        {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through", "keep_in_memory_bytes",
+         "keep_on_device_bytes"}
     )
 
     input: str
@@ -54,6 +56,11 @@ class Cache(Stage):
     keep_in_memory_bytes: int = Field(
         128 << 20, ge=0, description="a split whose decoded chunks fit stays in memory after its first "
         "read, so later epochs skip reading and decompressing it (train first, then val); 0: never"
+    )
+    keep_on_device_bytes: int = Field(
+        1 << 30, ge=0, description="run.device cuda: a split whose stored (still packed) chunks fit stays in "
+        "GPU memory after its first read, so later epochs copy nothing to the device (train first, then "
+        "val; the GPU analogue of keep_in_memory_bytes); 0: never. Ignored on the CPU"
     )
     read_through: Literal["sdcard", "emmc", "ssd"] | None = Field(
         None, description="simulate slow storage when reading (benchmarks, tests); zarr and hdf5"
@@ -115,19 +122,39 @@ class Cache(Stage):
                 f"[{name}] building in this process, not on Dask: its input cannot be fingerprinted, "
                 "so workers could not be checked to compute the same data"
             )
-        with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
-            return write_stream(
-                stream,
-                staging,
-                chunk_bytes=self.chunk_bytes,
-                compressor=self.codec,
-                level=self.level,
-                attrs={"lineage": lineage},
-                fmt=self.format,
-                progress=bar,
-                log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
-                batch_period=1 if ctx.recipe is None else stream_batch_period(ctx.recipe.stages, self.input),
-            )
+        device = getattr(ctx, "torch_device", None)
+        try:
+            with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
+                written = self._write(ctx, stream, staging, name, lineage, bar)
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # Out of memory outside the frozen forward (which names its own stage): the quantizer or
+            # a stage between. The staging directory keeps every chunk written so far.
+            raise DeviceMemoryError(
+                f"stage {name!r} (cache): out of memory on {device or 'the CPU'} while computing its input "
+                f"`{self.input}`; set a smaller batch_size on the stages upstream (decode, frozen_forward) "
+                "and rerun: the build resumes from the chunks already written"
+            ) from None
+        if device is not None:
+            # Where the entry was computed: lineage for people, never identity (not in the fingerprint).
+            written["built_on"] = device_description(device)
+        return written
+
+    def _write(self, ctx: Any, stream: Any, staging: Path, name: str, lineage: dict[str, Any],
+               bar: Any) -> dict[str, Any]:
+        return write_stream(
+            stream,
+            staging,
+            chunk_bytes=self.chunk_bytes,
+            compressor=self.codec,
+            level=self.level,
+            attrs={"lineage": lineage},
+            fmt=self.format,
+            progress=bar,
+            log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
+            batch_period=1 if ctx.recipe is None else stream_batch_period(ctx.recipe.stages, self.input),
+        )
 
     def load(self, ctx: Any, entry: Any, call: StageCall) -> StoredStream:
         return StoredStream(
@@ -138,4 +165,6 @@ class Cache(Stage):
             throttle=self.read_through,
             prefetch_max_bytes=self.prefetch_max_bytes,
             keep_in_memory_bytes=self.keep_in_memory_bytes,
+            device=getattr(ctx, "torch_device", None),
+            keep_on_device_bytes=self.keep_on_device_bytes,
         )

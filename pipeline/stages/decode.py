@@ -80,4 +80,5 @@ class Decode(Stage):
         splits = self.augment.splits if self.augment else ()
         cpu_work, threads = placement(self.cpu_work, self.decode_threads, ctx.device)
         return DatasetStream(data, call.spec, decoder, augment, tuple(splits), self.batch_size, self.prefetch,
-                             cpu_work=cpu_work, threads=threads)
+                             cpu_work=cpu_work, threads=threads,
+                             pin_memory=ctx.torch_device.type == "cuda")

@@ -5,13 +5,19 @@ think about transfer learning; the output spec records it (with the model's
 fingerprint) so the trainer can check it trains exactly the blocks above this cut.
 
 ``precision`` chooses the arithmetic of the bottom (mixed-precision partitioning):
-``fp32`` (default), ``bf16`` (autocast) or ``int8`` (static int8 kernels on CPU,
+``fp32`` (default; true float32 on a GPU too, no TF32), ``bf16`` (autocast, CPU or CUDA),
+``fp16`` (CUDA autocast) or ``int8`` (static int8 kernels on CPU,
 calibrated on the first ``calibration_batches`` batches of ``calibration_split``; see
 ``pipeline.models.int8``). The output is float32 in every case, so
 it feeds quantize/cache unchanged; precision is in the config (and so in the
 fingerprint) and in the spec's ``Cut``. When int8 kernels are unavailable the
 bottom runs in fp32 with a warning, and its fingerprint differs from a real int8
 entry's, so a cache never mixes the two.
+
+On a GPU (``run.device: cuda``) the decoded images reach the device through
+:func:`pipeline.ops.device_feed.to_device`: pinned, copied asynchronously a couple of batches
+ahead, so the copies overlap the forward; the maps stay on the device for the quantizer. Running
+out of GPU memory is a :class:`~pipeline.errors.DeviceMemoryError` naming the stage and batch size.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..errors import StageError
+from ..device import ieee_fp32, is_out_of_memory
+from ..errors import DeviceMemoryError, StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, structure
 from ..models.fold import fold_batch_norms
 from ..ops.batching import Batch, rechunk
+from ..ops.device_feed import to_device
 from ..spec import MODEL, STREAM, Cut, FieldSpec, Spec, SplitSpec
 from ..stage import Stage, StageCall
 from ..stream import Stream, StreamStats
@@ -42,14 +50,26 @@ else:
     zoo = lazy_module("pipeline.models.zoo")
 
 
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
 class ForwardStream(Stream):
+    """``parent``'s images through the frozen ``bottom`` on ``device``; float32 maps, left on ``device``.
+
+    ``autocast``: None (float32), or the reduced dtype ("bfloat16", "float16") autocast computes in.
+    """
+
     def __init__(self, parent: Stream, bottom: torch.nn.Module, spec: Spec, batch_size: int | None,
-                 autocast_bf16: bool = False) -> None:
+                 autocast: str | None = None, *, device: torch.device | None = None,
+                 name: str = "frozen_forward", feed_depth: int = 2) -> None:
         self.parent = parent
         self.bottom = bottom.eval()
         self.spec = spec
         self.batch_size = batch_size
-        self.autocast_bf16 = autocast_bf16
+        self.autocast = autocast
+        self.device = device if device is not None else torch.device("cpu")
+        self.name = name
+        self.feed_depth = feed_depth
         self.stats = StreamStats()
 
     def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
@@ -57,10 +77,24 @@ class ForwardStream(Stream):
         batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
         if self.batch_size:
             batches = rechunk(batches, self.batch_size)
+        batches = to_device(batches, self.device, ("x",), depth=self.feed_depth)
+        dtype = getattr(torch, self.autocast) if self.autocast else None
         for batch in batches:
             t0 = time.perf_counter()
-            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=self.autocast_bf16):
-                x = self.bottom(batch["x"]).float()
+            try:
+                with torch.inference_mode(), ieee_fp32(self.device), \
+                        torch.autocast(self.device.type, dtype, enabled=dtype is not None):
+                    x = self.bottom(batch["x"]).float()
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                n = len(batch["x"])
+                raise DeviceMemoryError(
+                    f"stage {self.name!r} (frozen_forward): out of memory on {self.device} for a batch of "
+                    f"{n} images of split {split!r}; set a smaller batch, e.g. "
+                    f"stages.{self.name}.batch_size: {max(1, n // 2)} (a cache build interrupted here "
+                    "resumes from the chunks it wrote)"
+                ) from None
             self.stats.add(time.perf_counter() - t0, len(x))
             yield {**batch, "x": x}
 
@@ -82,7 +116,9 @@ class FrozenForward(Stage):
     model: str
     train_last_blocks: int = Field(..., ge=0, description="blocks above the cut (trained later)")
     batch_size: int | None = Field(None, ge=1, description="forward batch size; default: as decoded")
-    precision: Literal["fp32", "bf16", "int8"] = Field("fp32", description="arithmetic of the bottom")
+    precision: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+        "fp32", description="arithmetic of the bottom: fp32, bf16 (autocast), fp16 (CUDA autocast), "
+        "int8 (CPU kernels)")
     calibration_batches: int = Field(8, ge=1, description="int8: batches observed to set activation ranges")
     calibration_split: str = Field("train", description="int8: split the calibration batches come from")
 
@@ -118,12 +154,23 @@ class FrozenForward(Stage):
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
+        self._check_device(ctx)
         if self.precision == "int8" and self.calibration_split not in data.splits:
             raise StageError(f"calibration_split {self.calibration_split!r} is not a split of "
                              f"`{self.input}` (found {sorted(data.splits)})")
         cut = Cut(model.model.arch, self.train_last_blocks, ctx.fingerprints.get(self.model),
                   shape, resolution, self.precision)
         return data.as_stream(splits).with_cut(cut)
+
+    def _check_device(self, ctx: RunContext) -> None:
+        """Precisions the run's device cannot compute, refused when the run is planned, before any work."""
+        device = ctx.torch_device.type
+        if self.precision == "int8" and device != "cpu":
+            raise StageError(f"precision: int8 uses CPU int8 kernels; run.device is {ctx.device} "
+                             "(set run.device: cpu, or precision: fp32, bf16 or fp16)")
+        if self.precision == "fp16" and device != "cuda":
+            raise StageError(f"precision: fp16 is CUDA autocast; run.device is {ctx.device} "
+                             "(on a CPU use precision: bf16 or fp32)")
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ForwardStream:
         model: ModelValue = inputs["model"]
@@ -137,19 +184,15 @@ class FrozenForward(Stage):
             cut = spec.cut
             assert cut is not None  # resolve() set it
             spec = spec.with_cut(replace(cut, precision=used))
-        elif self.precision == "bf16" and ctx.torch_device.type != "cpu":
-            raise StageError(f"precision: bf16 is implemented with CPU autocast; run.device is {ctx.device}")
         else:
             bottom = fold_batch_norms(bottom)
         return ForwardStream(inputs["input"], bottom.to(ctx.torch_device), spec, self.batch_size,
-                             autocast_bf16=self.precision == "bf16")
+                             AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
 
     def _int8(self, ctx: RunContext, stream: Stream, bottom: torch.nn.Module,
               name: str) -> tuple[torch.nn.Module, str]:
         """The calibrated int8 bottom (or the fp32 one with a warning when int8 is unavailable)."""
-        if ctx.torch_device.type != "cpu":
-            raise StageError(f"precision: int8 uses CPU int8 kernels; run.device is {ctx.device} "
-                             "(set run.device: cpu or precision: fp32)")
+        self._check_device(ctx)
         batches = stream.open(self.calibration_split)
         if self.batch_size:
             batches = rechunk(batches, self.batch_size)

@@ -61,4 +61,4 @@ class Dequantize(Stage):
         return decoded_spec(inputs["input"])
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DequantizedStream:
-        return DequantizedStream(inputs["input"], call.spec)
+        return DequantizedStream(inputs["input"], call.spec, device=getattr(ctx, "torch_device", None))

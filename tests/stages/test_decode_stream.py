@@ -25,13 +25,13 @@ RES = 16
 
 
 def make_stream(depth: int, *, augment: InputAugment | None = None, batch: int = 5,
-                cpu_work: str = "background", threads: int = 1) -> DatasetStream:
+                cpu_work: str = "background", threads: int = 1, pin_memory: bool = False) -> DatasetStream:
     sets = synthetic(23, 4, 12, seed=3)
     data = DatasetValue(sets, list(sets["train"].class_names))
     spec = Decode(input="data", resolution=RES).resolve({"input": data.spec}, None)
     decoder = Decoder(RES, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     return DatasetStream(data, spec, decoder, augment, ("train",), batch, depth, cpu_work=cpu_work,
-                         threads=threads)
+                         threads=threads, pin_memory=pin_memory)
 
 
 PLACEMENTS = [("background", 1), ("between_steps", 1), ("between_steps", 3)]
@@ -64,6 +64,20 @@ def test_same_output_for_every_prefetch_depth_and_placement_with_augmentation() 
             assert all(torch.equal(a[k], b[k]) for k in ("x", "y", "id"))
     plain = list(make_stream(0).open("train", epoch=1, shuffle=True, seed=4))
     assert any(not torch.equal(a["x"], p["x"]) for a, p in zip(runs[0], plain, strict=True))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_gpu_consumers_placement_gives_the_same_batches(threads: int) -> None:
+    # For a GPU (pin_memory): decoding spread over threads and normalization on the loader thread, the
+    # images pinned where a CUDA driver is present. Same batches as any other placement.
+    aug = InputAugment(crop_padding=2, hflip=0.5)
+    want = list(make_stream(2, augment=aug).open("train", epoch=1, shuffle=True, seed=4))
+    stream = make_stream(2, augment=aug, threads=threads, pin_memory=True)
+    got = list(stream.open("train", epoch=1, shuffle=True, seed=4))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("x", "y", "id"))
+        assert a["x"].is_pinned() == torch.cuda.is_available()
 
 
 def test_start_skips_samples_already_done() -> None:
