@@ -3,6 +3,7 @@
 An arrow means "may import"; nothing imports a layer above its own:
 
     5 cli       pipeline.cli, pipeline.cache_cli, pipeline.repair (the `cache repair` command's work),
+                pipeline.scaffold (the `new` command: the shipped example recipes),
                 pipeline.__main__
     4 config    pipeline.recipe, pipeline.registry
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
@@ -40,7 +41,8 @@ SHARED = {
     "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__")),
+    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__",
+         "pipeline.scaffold")),
     (4, ("pipeline.recipe", "pipeline.registry")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),
