@@ -25,7 +25,7 @@ ALL = "all"
 
 
 class ScaffoldError(PipelineError, ValueError):
-    """The example recipes cannot be written as asked (a file exists, an unknown name, an unwritable folder)."""
+    """The example recipes cannot be written as asked (a file exists, an unknown name, a bad folder)."""
 
 
 def _root() -> Traversable:
