@@ -1,6 +1,7 @@
 """One results page: ``benchmarks/README.md`` and its plots, built from every JSON in ``benchmarks/results/``.
 
-Usage: python -m benchmarks.results_page [--results DIR] [--output FILE] [--plots DIR] [--strict]
+Usage: python -m benchmarks.results_page [--results DIR] [--output FILE] [--plots DIR] [--discussion FILE]
+[--strict]
 
 Every result file is written by ``benchmarks._meta.write_result``, so each carries ``name``, ``created``,
 ``git_commit``, ``machine`` and ``command`` beside its own payload. Each benchmark renders its own section:
@@ -8,7 +9,8 @@ a module in ``benchmarks.pages`` names the results it renders (``RESULTS``) and 
 a headline and plots (``render``); this module only finds those modules, renders every result with its
 own (any other JSON, a new benchmark this page has never seen, gets the generic section: its scalars, its
 ``targets``/``findings`` and every list of records as a table) and assembles the page: headline table,
-commands, provenance and checks. A new benchmark can set a top-level ``"headline"`` string to fill its line
+the hand-written reading of the results by method (``benchmarks/discussion.md``, copied verbatim), commands,
+provenance and checks. A new benchmark can set a top-level ``"headline"`` string to fill its line
 of the headline table without a module of its own.
 
 The page is deterministic: files are processed in sorted order, tables keep each result's own row
@@ -50,6 +52,9 @@ from benchmarks.pages.generic import render_generic
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_OUTPUT = BENCH_DIR / "README.md"
+# Hand-written reading of the results, by method (the tables that matter, how they were taken, what they
+# show); copied verbatim after the headline table, since a generated page has nowhere else to keep prose.
+DEFAULT_DISCUSSION = BENCH_DIR / "discussion.md"
 PLOTS_SUBDIR = "plots"
 
 Renderer = Callable[[Result, Path], Rendered]
@@ -286,7 +291,13 @@ def section_markdown(section: Section, base: Path) -> list[str]:
     return lines
 
 
-def page(sections: list[Section], problems: list[tuple[Path, str]], results_dir: Path, output: Path) -> str:
+def page(
+    sections: list[Section],
+    problems: list[tuple[Path, str]],
+    results_dir: Path,
+    output: Path,
+    discussion: str = "",
+) -> str:
     base = output.parent
     count = len(sections)
     lines = [
@@ -313,6 +324,8 @@ def page(sections: list[Section], problems: list[tuple[Path, str]], results_dir:
         ],
         ["l", "l", "l", "l"],
     )
+    if discussion.strip():
+        lines += ["", discussion.strip()]
     lines += [
         "",
         "## Regenerate",
@@ -352,16 +365,21 @@ def remove_stale_plots(plots_dir: Path, keep: set[Path]) -> None:
             png.unlink()
 
 
-def generate(results_dir: Path, output: Path, plots_dir: Path) -> tuple[int, list[tuple[Path, str]]]:
+def generate(
+    results_dir: Path, output: Path, plots_dir: Path, discussion: Path | None = None
+) -> tuple[int, list[tuple[Path, str]]]:
     """Build the page; returns (number of results rendered, malformed files skipped)."""
     if not results_dir.is_dir():
         raise FileNotFoundError(f"results directory {results_dir} does not exist")
+    if discussion is not None and not discussion.is_file():
+        raise FileNotFoundError(f"discussion file {discussion} does not exist (--discussion '' for none)")
+    prose = discussion.read_text(encoding="utf-8") if discussion is not None else ""
     results, problems = load_results(results_dir)
     for path, reason in problems:
         warn(f"skipping {path}: {reason}")
     sections = build_sections(results, results_dir, plots_dir)
     remove_stale_plots(plots_dir, {p.resolve() for s in sections for _, p in s.plots})
-    write_if_changed(output, page(sections, problems, results_dir, output).encode("utf-8"))
+    write_if_changed(output, page(sections, problems, results_dir, output, prose).encode("utf-8"))
     return len(sections), problems
 
 
@@ -377,11 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plots", type=Path, default=None, help=f"directory for PNG plots (default: RESULTS/{PLOTS_SUBDIR})"
     )
+    parser.add_argument(
+        "--discussion",
+        default=str(DEFAULT_DISCUSSION),
+        help="hand-written Markdown placed after the headline table ('' for none)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 if any result file is malformed")
     args = parser.parse_args(argv)
     plots_dir = args.plots if args.plots is not None else args.results / PLOTS_SUBDIR
+    discussion = Path(args.discussion) if args.discussion else None
     try:
-        count, problems = generate(args.results, args.output, plots_dir)
+        count, problems = generate(args.results, args.output, plots_dir, discussion)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

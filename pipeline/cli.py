@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(mem)
     mem.add_argument("--json", action="store_true", help="machine-readable output")
     cache_cli.add_parser(sub)
+    new = sub.add_parser(
+        "new",
+        help="write the example recipes that ship with the toolkit into a folder (e.g. `new quickstart`)",
+    )
+    new.add_argument("name", help="quickstart, a method's folder (neuroflux, mobiletl, ...) or all")
+    new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one)")
+    new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
     return p
 
 
@@ -214,8 +221,20 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return cache_cli.main(args)
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    from .scaffold import write
+
+    written = write(args.name, Path(args.dir), force=args.force)
+    for w in written:
+        print(f"{w.action:<11} {w.path}")
+    first = next((w.path for w in written if w.path.name == "quickstart.yaml"), written[0].path)
+    print(f"{len(written)} recipe{'s' if len(written) != 1 else ''} in {args.dir}; next: "
+          f"python -m pipeline run {first}")
+    return EXIT_OK
+
+
 # Commands that only read recipes: they need pyyaml and pydantic, nothing heavier.
-RECIPE_ONLY_COMMANDS = frozenset({"validate", "stages"})
+RECIPE_ONLY_COMMANDS = frozenset({"validate", "stages", "new"})
 # What every other command imports once it starts working. Checked first, so a half-installed
 # Python gets the setup message before a stage has run, not after an hour of training.
 RUNTIME_MODULES = ("torch", "torchvision", "zarr", "numcodecs", "tqdm")
@@ -234,6 +253,7 @@ COMMANDS = {
     "stages": cmd_stages,
     "memory": cmd_memory,
     "cache": cmd_cache,
+    "new": cmd_new,
 }
 
 

@@ -73,10 +73,30 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {hit!r}?)" if hit else ""
 
 
+# Modules that only one feature needs, installed by an extra of the package (pyproject.toml):
+# module -> (extra, the feature that needs it).
+OPTIONAL_MODULES: dict[str, tuple[str, str]] = {
+    "pymoo": ("search", "the partition_search stage"),
+    "networkx": ("search", "the partition_search stage"),
+    "dask": ("dask", "the Dask executor (executor: {type: dask})"),
+    "distributed": ("dask", "the Dask executor (executor: {type: dask})"),
+    "h5py": ("hdf5", "HDF5 store entries (format: hdf5)"),
+    "psutil": ("bench", "the benchmarks"),
+}
+
+
 def missing_dependency(exc: ModuleNotFoundError) -> str:
     """The message for a Python without the toolkit's dependencies: a setup step, not a bug."""
+    name = (exc.name or "").split(".")[0]
+    if name in OPTIONAL_MODULES:
+        extra, feature = OPTIONAL_MODULES[name]
+        return (
+            f"error: {feature} needs {name!r}, which this Python ({sys.executable}) lacks; it comes with "
+            f"the {extra!r} extra: `pip install -e '.[{extra}]'` in the repository (or "
+            f"`pip install 'ondevice-tl[{extra}]'`); `.[all]` installs every extra"
+        )
     return (
         f"error: this Python ({sys.executable}) lacks {exc.name or 'a module'!r}, which ondevice-tl needs; "
         "install the project into it (`pip install -e .` in the repository, as the README's first "
-        "command does)"
+        "command does, or `pip install .` from a copy of it)"
     )

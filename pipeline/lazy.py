@@ -15,8 +15,11 @@ cannot be lazy: such code lives in a module that is only imported when work runs
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 from typing import Any
+
+from .errors import OPTIONAL_MODULES
 
 
 class LazyModule(types.ModuleType):
@@ -36,3 +39,16 @@ class LazyModule(types.ModuleType):
 def lazy_module(name: str) -> Any:
     """A stand-in for ``import name`` that imports on first attribute access."""
     return LazyModule(name)
+
+
+def require(name: str) -> None:
+    """Fail now, before any work, when an optional module (an extra's, ``errors.OPTIONAL_MODULES``) is
+    missing, rather than when it is first used, maybe after an hour of work. The error names the extra."""
+    if importlib.util.find_spec(name) is not None:
+        return
+    extra, feature = OPTIONAL_MODULES.get(name, ("all", "this feature"))
+    raise ModuleNotFoundError(
+        f"No module named {name!r}: {feature} needs it; install the {extra!r} extra "
+        f"(`pip install -e '.[{extra}]'` in the repository, or `pip install 'ondevice-tl[{extra}]'`)",
+        name=name,
+    )

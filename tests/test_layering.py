@@ -3,7 +3,8 @@
 An arrow means "may import"; nothing imports a layer above its own:
 
     5 cli       pipeline.cli, pipeline.cache_cli, pipeline.repair (the `cache repair` command's work),
-                pipeline.__main__, pipeline.api (the Python API: what the commands do, as functions)
+                pipeline.scaffold (the `new` command: the shipped example recipes), pipeline.__main__,
+                pipeline.api (the Python API: what the commands do, as functions)
     4 config    pipeline.recipe, pipeline.registry
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
@@ -42,7 +43,8 @@ SHARED = {
     "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching", "pipeline.device",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api")),
+    (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
+         "pipeline.scaffold")),
     (4, ("pipeline.recipe", "pipeline.registry")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),

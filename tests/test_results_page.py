@@ -174,6 +174,33 @@ def test_missing_results_directory_is_a_clear_error(
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
+def test_the_hand_written_discussion_sits_after_the_headline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "neuroflux_spill_test.json").write_text(json.dumps(UNKNOWN))
+    notes = tmp_path / "notes.md"
+    notes.write_text("## By method\n\n| bits | accuracy |\n|---:|---:|\n| 2 | 91.4 |\n")
+    assert run(results, tmp_path / "README.md", "--discussion", str(notes)) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert text.index("## Headline") < text.index("## By method\n\n| bits | accuracy |") < text.index(
+        "## Regenerate"
+    )
+    assert run(results, tmp_path / "bare.md", "--discussion", "") == 0
+    assert "## By method" not in (tmp_path / "bare.md").read_text()
+    assert run(results, tmp_path / "x.md", "--discussion", str(tmp_path / "gone.md")) == 2
+    assert "gone.md does not exist" in capsys.readouterr().err
+
+
+def test_the_committed_page_is_up_to_date_with_its_discussion() -> None:
+    # benchmarks/discussion.md is edited by hand; the page carries it only after regenerating.
+    discussion = results_page.DEFAULT_DISCUSSION.read_text(encoding="utf-8").strip()
+    assert discussion in results_page.DEFAULT_OUTPUT.read_text(encoding="utf-8"), (
+        "run `python -m benchmarks.results_page` after editing benchmarks/discussion.md"
+    )
+
+
 def test_number_formatting() -> None:
     assert sig(1589.558) == "1590"
     assert sig(27.5378) == "27.5"

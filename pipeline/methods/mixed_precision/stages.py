@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ...errors import ModelError, StageError
-from ...lazy import lazy_module
+from ...lazy import lazy_module, require
 from ...models.arch import ArchConfig, ModelValue, structure
 from ...spec import MODEL, RESULT, STREAM, Spec
 from ...stage import Stage, StageCall
@@ -130,6 +130,7 @@ class PartitionSearch(Stage):
         return graph.layer_graph(structure(ArchConfig.of(model)))
 
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+        require("pymoo")  # the search's NSGA-II; an extra ("search"), so checked before any work
         data, model = inputs["input"], inputs["model"]
         for split in {self.calibration_split, self.eval_split}:
             field = data.split(split, stage=self.type_name).fields.get("x")
