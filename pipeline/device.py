@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .errors import RecipeError
+from .errors import DeviceMemoryError, RecipeError
 from .lazy import lazy_module
 
 if TYPE_CHECKING:
@@ -73,6 +73,31 @@ def device_description(device: torch.device) -> dict[str, Any]:
         out["cuda"] = torch.version.cuda
     out["torch"] = torch.__version__
     return out
+
+
+def pin(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in page-locked host memory, so a ``non_blocking`` copy to a GPU is asynchronous. As it is
+    when it is already pinned or not on the host, or when no GPU is usable (pinning needs a CUDA
+    driver: without one, GPU-bound code paths still run, and are tested, on any machine)."""
+    if x.device.type != "cpu" or not torch.cuda.is_available() or x.is_pinned():
+        return x
+    return x.pin_memory()
+
+
+def out_of_memory(exc: BaseException, *, stage: str, batch_size: int | None, setting: str | None,
+                  device: torch.device | str, during: str, resumes: str) -> DeviceMemoryError:
+    """The error a user sees when ``during`` (e.g. "training, epoch 2") ran out of memory on ``device``:
+    the stage, the batch size, the setting to lower and a smaller value, and how the work resumes."""
+    device = torch.device(device)
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    at = f" at batch size {batch_size}" if batch_size else ""
+    smaller = max(1, batch_size // 2) if batch_size else None
+    fix = (f"set {setting} to a smaller value" + (f" (e.g. {smaller})" if smaller else "")) if setting \
+        else "use a smaller batch size"
+    if device.type == "cuda":
+        fix += ", or free the GPU of other processes (nvidia-smi)"
+    return DeviceMemoryError(f"stage {stage!r} ran out of memory on {device}{at} during {during}: {detail}; "
+                             f"{fix}. {resumes}")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -179,7 +179,8 @@ def test_out_of_memory_in_the_forward_names_stage_batch_and_a_smaller_one() -> N
     with pytest.raises(DeviceMemoryError) as info:
         next(batches)
     text = str(info.value)
-    assert "'features'" in text and "batch of 64" in text and "stages.features.batch_size: 32" in text
+    assert "'features (frozen_forward)'" in text and "batch size 64" in text
+    assert "stages.features.batch_size to a smaller value (e.g. 32)" in text
 
 
 def test_out_of_memory_while_building_exits_1_and_the_build_resumes(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..device import pin
 from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..ops.prefetch import on_prefetch_thread, prefetch
@@ -142,7 +143,7 @@ class DatasetStream(Stream):
                 item: Any = raw
                 if finished:
                     item = pixels(raw, idx) if pool is None else self._spread(pool, pixels, raw, idx)
-                    item = _pinned(self.decoder(item))
+                    item = pin(self.decoder(item))
                 elif not between:
                     item = pixels(raw, idx)
                 self.stats.add(time.perf_counter() - t0, len(idx))
@@ -161,7 +162,7 @@ class DatasetStream(Stream):
                     item = pixels(item, idx) if pool is None else self._spread(pool, pixels, item, idx)
                 x = item if finished else self.decoder(item)
                 if self.pin_memory:
-                    x = _pinned(x)
+                    x = pin(x)
                 self.stats.add(time.perf_counter() - t0, batches=0)  # counted by the loader
                 yield {
                     "x": x,
@@ -182,14 +183,6 @@ class DatasetStream(Stream):
         ends = zip(bounds[:-1], bounds[1:], strict=True)
         parts = [pool.submit(pixels, raw[a:b], idx[a:b]) for a, b in ends]
         return concat_images([part.result() for part in parts])
-
-
-def _pinned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in page-locked memory (pinning needs a CUDA driver: without one, ``x`` as it is, so the
-    GPU consumer's placement runs, and is tested, on any machine)."""
-    if not torch.cuda.is_available() or x.is_pinned():
-        return x
-    return x.pin_memory()
 
 
 def placement(cpu_work: str, threads: int | None, device: str | torch.device) -> tuple[str, int]:

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 
 from stores.durable import atomic_write_bytes
 
+from ..device import out_of_memory
 from ..errors import ModelError, StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
@@ -34,8 +35,8 @@ from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage, StageCall
 from ..stream import Stream
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
+from .amp import check_precision
 from .checkpoint import CHECKPOINT_FILE
-from .device import check_precision, out_of_memory
 from .trainer import TrainConfig, evaluate, train
 
 if TYPE_CHECKING:
@@ -269,7 +270,8 @@ class Finetune(Stage):
         except torch.OutOfMemoryError as exc:
             raise out_of_memory(exc, stage=name, batch_size=self.eval_batch_size, device=device,
                                 setting=f"stages.{name}.eval_batch_size",
-                                during="the test evaluation") from None
+                                during="the test evaluation",
+                                resumes="A rerun continues from the last finished epoch") from None
         epoch_times = [h["epoch_seconds"] for h in result.history]
         quantization = specs["features"].quantization if self.mode == "two_stage" else None
         metrics = {

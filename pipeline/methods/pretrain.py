@@ -22,7 +22,7 @@ from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage, StageCall
-from .device import check_precision
+from .amp import check_precision
 from .trainer import TrainConfig, train
 
 if TYPE_CHECKING:

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from ..device import out_of_memory
 from ..errors import DataError, ModelError
 from ..lazy import lazy_module
 from ..models.weights import save_weights
 from ..ops.prefetch import EpochPrefetch
 from ..progress import Progress
 from ..threads import StepPacer, step_pacer
+from .amp import AmpPolicy, module_device, pinned, to_device
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, restore_rng, rng_state, save_checkpoint
-from .device import AmpPolicy, module_device, out_of_memory, pinned, to_device
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +219,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
 
     Runs where ``model``'s parameters are (move it to the device first), at ``cfg.precision``
-    (``pipeline.methods.device``); host batches are moved there from pinned memory.
+    (``pipeline.methods.amp``); host batches are moved there from pinned memory.
     ``train_mode(model)`` is called before each training pass (default ``model.train()``)
     so a caller can keep frozen parts in eval mode. The lr follows the schedule per step;
     when the steps per epoch are unknown (``steps_per_epoch`` not given and the batches
@@ -310,7 +311,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
                         result.best_val_acc = val_acc
             except torch.OutOfMemoryError as exc:
                 raise out_of_memory(exc, stage=label, batch_size=batch_size, setting=batch_setting,
-                                    device=device, during=f"training, epoch {epoch}") from None
+                                    device=device, during=f"training, epoch {epoch}",
+                                    resumes="A rerun continues from the last finished epoch") from None
             if improved:
                 result.best_epoch = epoch
             result.history.append(record)

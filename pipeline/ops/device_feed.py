@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..device import pin
 from ..lazy import lazy_module
 from .batching import Batch
 
@@ -31,14 +32,8 @@ else:
 def pinned(batch: Batch, keys: Iterable[str] | None = None) -> Batch:
     """``batch`` with its CPU tensors (those in ``keys``, default all) in page-locked memory, so a
     ``non_blocking`` copy to a GPU is asynchronous. A no-op when no GPU is usable (pinning needs one)."""
-    if not torch.cuda.is_available():
-        return batch
     wanted = None if keys is None else set(keys)
-    out = dict(batch)
-    for key, value in batch.items():
-        if (wanted is None or key in wanted) and value.device.type == "cpu" and not value.is_pinned():
-            out[key] = value.pin_memory()
-    return out
+    return {key: pin(value) if wanted is None or key in wanted else value for key, value in batch.items()}
 
 
 def move_batch(batch: Batch, device: torch.device, keys: Iterable[str]) -> Batch:

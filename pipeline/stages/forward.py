@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ..device import ieee_fp32, is_out_of_memory
-from ..errors import DeviceMemoryError, StageError
+from ..device import ieee_fp32, is_out_of_memory, out_of_memory
+from ..errors import StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, structure
 from ..models.fold import fold_batch_norms
@@ -89,12 +89,11 @@ class ForwardStream(Stream):
                 if not is_out_of_memory(exc):
                     raise
                 n = len(batch["x"])
-                raise DeviceMemoryError(
-                    f"stage {self.name!r} (frozen_forward): out of memory on {self.device} for a batch of "
-                    f"{n} images of split {split!r}; set a smaller batch, e.g. "
-                    f"stages.{self.name}.batch_size: {max(1, n // 2)} (a cache build interrupted here "
-                    "resumes from the chunks it wrote)"
-                ) from None
+                raise out_of_memory(exc, stage=f"{self.name} (frozen_forward)", batch_size=n,
+                                    setting=f"stages.{self.name}.batch_size", device=self.device,
+                                    during=f"the frozen forward of split {split!r}",
+                                    resumes="A cache build interrupted here resumes from the chunks it "
+                                    "wrote") from None
             self.stats.add(time.perf_counter() - t0, len(x))
             yield {**batch, "x": x}
 

@@ -9,7 +9,7 @@ reuses it instead of searching again.
 ``finetune_mixed``: the ``finetune`` stage with the top trained in bfloat16. Policy:
 fp32 master weights and optimizer state, bf16 compute through autocast on the run's
 device, CPU or CUDA (matmuls and convolutions in bf16, reductions and the loss in fp32):
-the trainer's ``bf16`` precision (``pipeline.methods.device``), entered per step so the
+the trainer's ``bf16`` precision (``pipeline.methods.amp``), entered per step so the
 autocast cache of bf16 weight copies never outlives an optimizer step. The int8 bottom is not part
 of this stage: it runs in ``frozen_forward`` with ``precision: int8`` and reaches the
 top through the feature cache, which is how mixed precision and Cache & Reuse combine.

@@ -22,10 +22,10 @@ from torch import nn
 
 from stores.catalog import Catalog, Staging
 
+from ...device import out_of_memory
 from ...fingerprint import derived_fingerprint
 from ...models.weights import load_weights, save_weights
 from ...stream import Stream
-from ..device import out_of_memory
 from .aux import LocalLayer
 from .local import BlockState, train_block
 from .models import LayerNet
@@ -233,7 +233,8 @@ def out_of_memory_named(stage: str, block: Block, device: torch.device) -> Itera
         raise out_of_memory(exc, stage=f"{stage} (block {block.index})", batch_size=block.batch_size,
                             setting=f"stages.{stage}.memory_budget_mib (it sets the block's batch) or "
                             f"stages.{stage}.batch_cap", device=device,
-                            during=f"local learning of layers {block.layers[0]}-{block.layers[-1]}") from None
+                            during=f"local learning of layers {block.layers[0]}-{block.layers[-1]}",
+                            resumes="A rerun continues after the last trained block") from None
 
 
 def save_atomic(obj: Any, path: Path) -> None:

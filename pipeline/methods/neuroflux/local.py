@@ -8,7 +8,7 @@ is the same loop over all layers as one block.
 
 Runs where the layers are (batches are moved there, from pinned memory on CUDA), at
 ``train.precision``: each layer's forward and loss under autocast, its step through its own
-gradient scaler for fp16 (``pipeline.methods.device``).
+gradient scaler for fp16 (``pipeline.methods.amp``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...errors import DataError, ModelError
-from ..device import AmpPolicy, module_device, to_device
+from ..amp import AmpPolicy, module_device, to_device
 from ..trainer import TrainConfig, make_optimizer
 from .aux import LocalLayer
 

@@ -40,7 +40,7 @@ from ...ops.prefetch import prefetch
 from ...spec import RESULT, STREAM, Spec
 from ...stage import Stage, StageCall
 from ...stream import Stream
-from ..device import check_precision
+from ..amp import check_precision
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
 from .exit import (

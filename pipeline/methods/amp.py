@@ -1,4 +1,4 @@
-"""Training on a device: the precision policy, batches from the host, and running out of device memory.
+"""Training on a device: the precision policy (autocast, gradient scaling) and batches from the host.
 
 Every trainer (the epoch loop, NeuroFlux's local learning, the memory meter) takes these from
 here, so CPU and CUDA share one code path that differs only where the hardware does:
@@ -10,9 +10,8 @@ here, so CPU and CUDA share one code path that differs only where the hardware d
 - **batches from the host** go to a CUDA device from pinned (page-locked) memory with
   ``non_blocking=True``, so the copy overlaps the previous step's kernels; pinning happens on the
   producer's thread when there is one (``pinned``), or just before the copy.
-- **out of memory** (``torch.OutOfMemoryError``, CUDA or CPU allocator) becomes a
-  :class:`~pipeline.errors.DeviceMemoryError` naming the stage, the batch size that failed and
-  the setting to lower, instead of an "internal error".
+
+Running out of memory becomes :func:`pipeline.device.out_of_memory`'s error, shared with the cache build.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import DeviceMemoryError, StageError
+from ..device import pin
+from ..errors import StageError
 from ..lazy import lazy_module
+from ..ops.device_feed import to_device as feed_to_device
 
 if TYPE_CHECKING:
     import torch
@@ -102,10 +103,6 @@ class AmpPolicy:
 
 
 # ---------------------------------------------------------------------------------------- batches
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()
-
-
 def pinned(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
     """``batches`` with host tensors page-locked when they are bound for CUDA (run it on the producer
     thread: pinning copies the batch once, off the training loop). Unchanged for a CPU device."""
@@ -113,37 +110,23 @@ def pinned(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair
         yield from batches
         return
     for x, y in batches:
-        yield _pin(x), _pin(y)
+        yield pin(x), pin(y)
 
 
 def to_device(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
-    """``(x, y)`` on ``device``, labels as int64; host batches cross from pinned memory without blocking."""
+    """``(x, y)`` on ``device``, labels as int64. To a GPU through
+    :func:`pipeline.ops.device_feed.to_device`: copied from pinned memory on a side stream a couple of
+    batches ahead of the step."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    for x, y in batches:
-        if cuda:
-            x, y = _pin(x), _pin(y)
-        yield x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda).long()
+    if device.type != "cuda":
+        for x, y in batches:
+            yield x.to(device), y.to(device).long()
+        return
+    pairs = ({"x": x, "y": y} for x, y in batches)
+    for batch in feed_to_device(pairs, device, ("x", "y")):
+        yield batch["x"], batch["y"].long()
 
 
 def module_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-# ----------------------------------------------------------------------------------- memory
-def out_of_memory(exc: BaseException, *, stage: str, batch_size: int | None, setting: str | None,
-                  device: torch.device | str, during: str) -> DeviceMemoryError:
-    """The error a user sees when ``during`` (e.g. "training, epoch 2") ran out of memory on ``device``."""
-    device = torch.device(device)
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    at = f" at batch size {batch_size}" if batch_size else ""
-    smaller = max(1, batch_size // 2) if batch_size else None
-    fix = (f"set {setting} to a smaller value" + (f" (e.g. {smaller})" if smaller else "")) if setting \
-        else "use a smaller batch size"
-    if device.type == "cuda":
-        fix += ", or free the GPU of other processes (nvidia-smi)"
-    return DeviceMemoryError(
-        f"stage {stage!r} ran out of memory on {device}{at} during {during}: {detail}; {fix}. "
-        "A checkpointed trainer continues from its last finished epoch when run again"
-    )
