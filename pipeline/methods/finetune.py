@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from ..deploy.model_file import save_transfer_model
 from ..errors import StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
@@ -128,6 +129,11 @@ class Finetune(Stage):
         adapted = apply_method(self.method, net.arch, list(net.blocks), top, n, top_input_shape)
         return bottom, top, adapted
 
+    def model_notes(self, specs: dict[str, Spec]) -> dict[str, Any]:
+        """How the model file's weights were trained, for its description."""
+        cut = specs["features"].cut if self.mode == "two_stage" else None
+        return {"mode": self.mode, "trained_on_features_from": f"{cut.precision} bottom" if cut else "images"}
+
     def _footprint(self, bottom: torch.nn.Module, top: TopNet, adapted: Adapted, num_classes: int,
                    top_input_shape: tuple[int, int, int], measure: bool) -> Footprint:
         frozen = 0
@@ -232,6 +238,11 @@ class Finetune(Stage):
             "method": adapted.method,
             **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,
+            # The whole network (frozen bottom + trained top) with the description it is rebuilt from.
+            "model_file": save_transfer_model(
+                ctx, call, bottom=bottom, top=top, arch=model_value.config, train_last_blocks=n,
+                top_input_shape=shape, method=self.method, resolution=stream.spec.resolution,
+                data_field="features" if self.mode == "two_stage" else "images", notes=self.model_notes(specs)),
             "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
         }
         if tmp is not None:
