@@ -21,6 +21,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
+from .deploy import commands as deploy_commands
 from .errors import PipelineError, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(mem)
     mem.add_argument("--json", action="store_true", help="machine-readable output")
     cache_cli.add_parser(sub)
+    deploy_commands.add_parsers(sub)
     return p
 
 
@@ -252,6 +254,7 @@ COMMANDS = {
     "stages": cmd_stages,
     "memory": cmd_memory,
     "cache": cmd_cache,
+    **deploy_commands.COMMANDS,
 }
 
 

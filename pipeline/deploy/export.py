@@ -58,7 +58,8 @@ class ExportResult:
 
     def summary(self) -> str:
         return (f"exported {self.format} to {self.path} (max |exported - eager| {self.max_abs_diff:.2e} <= "
-                f"{self.tolerance:.1e} on {REFERENCE_BATCH} reference inputs and a batch of one); description "
+                f"{self.tolerance:.1e} on {REFERENCE_BATCH} reference inputs and a batch of one); "
+                "description "
                 f"{self.description.name}, reference {self.reference.name}")
 
 
@@ -149,7 +150,8 @@ def _export_onnx(module: nn.Module, x: torch.Tensor, path: Path) -> Callable[[to
         torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["logits"],
                           dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), dynamo=True)
     except Exception as exc:  # noqa: BLE001
-        raise ExportError(f"ONNX export failed ({_first_line(exc)}); try --format pt2 or torchscript") from None
+        raise ExportError(f"ONNX export failed ({_first_line(exc)}); try --format pt2 or torchscript") \
+            from None
     from .networks import OnnxModule
 
     return OnnxModule(path)
@@ -160,7 +162,7 @@ EXPORTERS: dict[str, Callable[[nn.Module, torch.Tensor, Path], Callable[[torch.T
 }
 
 
-def _atomic_bytes(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_bytes(path: Path, write: Callable[[Path], object]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -194,10 +196,12 @@ def export(loaded: LoadedModel, output: Path, fmt: str = "pt2") -> ExportResult:
     try:
         exported = EXPORTERS[fmt](module, x, staging)
         with torch.no_grad():
-            diff = max(float((exported(x) - eager).abs().max()), float((exported(x[:1]) - eager_one).abs().max()))
+            diff = max(float((exported(x) - eager).abs().max()),
+                       float((exported(x[:1]) - eager_one).abs().max()))
         tolerance = ATOL + RTOL * float(eager.abs().max())
         if not diff <= tolerance:
-            raise ExportError(f"the exported {fmt} model differs from the eager model by {diff:.3g} (tolerance "
+            raise ExportError(f"the exported {fmt} model differs from the eager model by {diff:.3g} "
+                              f"(tolerance "
                               f"{tolerance:.3g}); nothing was written. Deploy the model file with "
                               "pipeline.load_model instead, and please report this")
         description = {**loaded.metadata, "exported": {

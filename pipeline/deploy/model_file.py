@@ -281,7 +281,8 @@ def check_description(meta: Mapping[str, Any], path: Path) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ModelFileError(
             f"{path} is model file format version {version!r}, written by ondevice-tl "
-            f"{meta.get('toolkit_version', '?')}; this ondevice-tl ({toolkit_version()}) reads format version "
+            f"{meta.get('toolkit_version', '?')}; this ondevice-tl ({toolkit_version()}) reads format "
+            "version "
             f"{FORMAT_VERSION}. Load it with the toolkit version that wrote it (or export it there with "
             "`python -m pipeline export`: exported files need no toolkit)")
     missing = [k for k in REQUIRED if k not in meta]

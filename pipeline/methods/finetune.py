@@ -242,7 +242,8 @@ class Finetune(Stage):
             "model_file": save_transfer_model(
                 ctx, call, bottom=bottom, top=top, arch=model_value.config, train_last_blocks=n,
                 top_input_shape=shape, method=self.method, resolution=stream.spec.resolution,
-                data_field="features" if self.mode == "two_stage" else "images", notes=self.model_notes(specs)),
+                data_field="features" if self.mode == "two_stage" else "images",
+                notes=self.model_notes(specs)),
             "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
         }
         if tmp is not None:
