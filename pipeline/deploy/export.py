@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,14 +127,19 @@ def _export_pt2(module: nn.Module, x: torch.Tensor, path: Path) -> Callable[[tor
 
 def _export_torchscript(module: nn.Module, x: torch.Tensor,
                         path: Path) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        with torch.no_grad():
-            traced = torch.jit.trace(module, (x,), check_trace=False)
-    except Exception as exc:  # noqa: BLE001
-        raise ExportError(f"torch.jit.trace cannot trace this model ({_first_line(exc)}); deploy the model "
-                          "file itself with pipeline.load_model") from None
-    torch.jit.save(traced, str(path))
-    return torch.jit.load(str(path))  # type: ignore[no-any-return]
+    # torch deprecates TorchScript in favour of torch.export, which is what failed when this is asked for;
+    # the user chose it, so its deprecation and tracer warnings are not repeated at them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        try:
+            with torch.no_grad():
+                traced = torch.jit.trace(module, (x,), check_trace=False)
+        except Exception as exc:  # noqa: BLE001
+            raise ExportError(f"torch.jit.trace cannot trace this model ({_first_line(exc)}); deploy the "
+                              "model file itself with pipeline.load_model") from None
+        torch.jit.save(traced, str(path))
+        return torch.jit.load(str(path))  # type: ignore[no-any-return]
 
 
 def onnx_missing() -> list[str]:

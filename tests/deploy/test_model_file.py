@@ -21,17 +21,9 @@ from pipeline.deploy.model_file import (
 )
 from pipeline.errors import MissingPathError
 from pipeline.models.weights import load_weights, save_weights
-from tests.deploy.runs import CLASSES, run_recipe, transfer_recipe, write_image_tree
+from tests.deploy.runs import CLASSES
 
 TRAINERS = ("two_stage", "baseline", "mixed")
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    base = tmp_path_factory.mktemp("deploy")
-    tree = write_image_tree(base / "images")
-    recipe, run, reports = run_recipe(transfer_recipe(tree), base)
-    return {"base": base, "tree": tree, "recipe": recipe, "run": run, "reports": reports}
 
 
 def test_every_trainer_writes_a_model_file_with_its_description(trained: dict[str, Any]) -> None:
