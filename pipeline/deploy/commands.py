@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL_HELP = ("a run directory (with --stage NAME when it trained several models), a model file "
-              "(stages/<name>/model.pt) or an exported .pt2/.onnx file")
+              "(stages/<name>/model.pt) or an exported .pt2/.onnx/.ts file")
 BAD_SAMPLE_HELP = ("unreadable images: fail (stop, naming the file) or skip (leave out, listed); default: "
                    "the "
                    "rule of the data the model was trained on (its recipe's on_bad_sample)")
@@ -24,7 +24,7 @@ def add_parsers(sub: Any) -> None:
     exp = sub.add_parser("export", help="export a trained model to a file stock torch (or onnxruntime) runs, "
                          "checked against the eager model")
     exp.add_argument("model", metavar="RUN_DIR",
-                     help=MODEL_HELP.replace(" or an exported .pt2/.onnx file", ""))
+                     help=MODEL_HELP.replace(" or an exported .pt2/.onnx/.ts file", ""))
     exp.add_argument("--stage", help="the stage whose model to export (a run directory with several)")
     exp.add_argument("--format", default="pt2", choices=("pt2", "onnx", "torchscript"),
                      help="pt2: torch.export (default); onnx: needs onnx, onnxscript, onnxruntime; "

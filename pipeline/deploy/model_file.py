@@ -10,7 +10,7 @@ stage, fingerprint, the dataset it was trained on and that dataset's bad-image r
 of the tensors detects a corrupted file, which ``torch.load`` alone may not notice.
 
 ``load_model(path)`` accepts that file, a run directory (with ``stage``), or an exported file
-(``.pt2``/``.onnx`` with the description written beside it by ``pipeline.deploy.export``), and
+(``.pt2``/``.onnx``/``.ts`` with the description written beside it by ``pipeline.deploy.export``), and
 returns a ``LoadedModel``: the module in eval mode with gradients off, its ``Preprocess``, the
 class names and the description.
 """
@@ -57,7 +57,7 @@ FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
 #: What an exported file's description is written as, beside it: ``model.pt2`` -> ``model.json``.
 DESCRIPTION_SUFFIX = ".json"
-EXPORTED_SUFFIXES = (".pt2", ".onnx")
+EXPORTED_SUFFIXES = (".pt2", ".onnx", ".ts")
 
 
 class ModelFileError(ModelError):
@@ -340,7 +340,7 @@ def resolve_model_path(path: str | Path, stage: str | None = None) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
         raise MissingPathError(f"model not found: {path} (expected a run directory with --stage NAME, a "
-                               f"{MODEL_FILE} model file, or an exported .pt2/.onnx file)")
+                               f"{MODEL_FILE} model file, or an exported .pt2/.onnx/.ts file)")
     if path.is_file():
         if stage is not None:
             raise ModelFileError(f"--stage {stage} applies to a run directory; {path} is a file")
@@ -382,6 +382,9 @@ def _load_exported(path: Path) -> LoadedModel:
     if path.suffix == ".onnx":
         module: nn.Module = networks.OnnxModule(path)
         kind = "exported onnx"
+    elif path.suffix == ".ts":
+        module = networks.torchscript(path)
+        kind = "exported torchscript"
     else:
         try:
             module = torch.export.load(str(path)).module()

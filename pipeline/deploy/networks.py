@@ -9,6 +9,7 @@ on a forked RNG, so loading a model never changes a caller's random numbers.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,14 @@ class OnnxModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.session.run(None, {self.input_name: x.detach().cpu().numpy()})[0]
         return torch.from_numpy(out)
+
+
+def torchscript(path: Path) -> nn.Module:
+    """A TorchScript file (``export --format torchscript``); torch's deprecation warning is not repeated."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return torch.jit.load(str(path))  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 - a damaged archive fails in many ways
+            raise ModelError(f"{path}: cannot load the TorchScript file ({type(exc).__name__}); corrupt or "
+                             "truncated") from None

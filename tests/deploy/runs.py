@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +73,33 @@ def run_recipe(recipe: dict[str, Any], base: Path) -> tuple[Path, Path, dict[str
                      recipe_path=str(path), recipe=r)
     reports = {rep.name: rep for rep in Runner(r, ctx).run()}
     return path, out, reports
+
+
+# Run in a fresh interpreter outside the repository, with this toolkit's packages made unimportable:
+# only stock torch may be needed to run an exported file.
+STOCK_ONLY = """
+import sys, importlib.abc
+class NoToolkit(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pipeline", "stores", "tests"):
+            raise ImportError(f"{name} imported while running an exported model")
+sys.meta_path.insert(0, NoToolkit())
+import torch
+kind, model_path, reference = sys.argv[1:4]
+ref = torch.load(reference, weights_only=True)
+module = torch.export.load(model_path).module() if kind == "pt2" else torch.jit.load(model_path)
+with torch.no_grad():
+    out = module(ref["x"])
+    one = module(ref["x"][:3])
+print(float((out - ref["logits"]).abs().max()), float((one - ref["logits"][:3]).abs().max()),
+      sorted(m for m in sys.modules if m.split(".")[0] in ("pipeline", "stores")))
+"""
+
+
+def run_stock(kind: str, model: Path, reference: Path, tmp_path: Path) -> tuple[float, float, str]:
+    """(max |out - reference| on all of its inputs, the same on the first three, toolkit modules imported)."""
+    done = subprocess.run([sys.executable, "-c", STOCK_ONLY, kind, str(model), str(reference)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    full, batch3, toolkit = done.stdout.strip().split(" ", 2)
+    return float(full), float(batch3), toolkit

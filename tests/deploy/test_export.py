@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,35 +14,7 @@ from pipeline.cli import main
 from pipeline.deploy import export as exporting
 from pipeline.deploy.model_file import LoadedModel, Preprocess, load_model
 from pipeline.deploy.predict import predict
-from tests.deploy.runs import CLASSES
-
-# Run in a fresh interpreter outside the repository, with this toolkit's packages made unimportable:
-# only stock torch may be needed to run an exported file.
-STOCK_ONLY = """
-import sys, importlib.abc
-class NoToolkit(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("pipeline", "stores", "tests"):
-            raise ImportError(f"{name} imported while running an exported model")
-sys.meta_path.insert(0, NoToolkit())
-import torch
-kind, model_path, reference = sys.argv[1:4]
-ref = torch.load(reference, weights_only=True)
-module = torch.export.load(model_path).module() if kind == "pt2" else torch.jit.load(model_path)
-with torch.no_grad():
-    out = module(ref["x"])
-    one = module(ref["x"][:3])
-print(float((out - ref["logits"]).abs().max()), float((one - ref["logits"][:3]).abs().max()),
-      sorted(m for m in sys.modules if m.split(".")[0] in ("pipeline", "stores")))
-"""
-
-
-def run_stock(kind: str, model: Path, reference: Path, tmp_path: Path) -> tuple[float, float, str]:
-    done = subprocess.run([sys.executable, "-c", STOCK_ONLY, kind, str(model), str(reference)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    full, batch3, toolkit = done.stdout.strip().split(" ", 2)
-    return float(full), float(batch3), toolkit
+from tests.deploy.runs import CLASSES, run_stock
 
 
 # TinyTL lite residuals (two_stage) and MobileTL layers (baseline); mixed has plain layers like the backbone.
@@ -106,6 +76,7 @@ def test_an_untraceable_layer_is_named_and_torchscript_is_the_fallback(tmp_path:
     result = exporting.export(loaded, tmp_path / "model.ts", "torchscript")
     full, batch3, toolkit = run_stock("torchscript", result.path, result.reference, tmp_path)
     assert full <= result.tolerance and batch3 <= result.tolerance and toolkit == "[]"
+    assert load_model(result.path).kind == "exported torchscript"
 
 
 def test_an_export_that_differs_from_eager_is_not_written(
