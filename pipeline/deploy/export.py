@@ -151,7 +151,8 @@ def _export_onnx(module: nn.Module, x: torch.Tensor, path: Path) -> Callable[[to
     missing = onnx_missing()
     if missing:
         raise ExportError(f"--format onnx needs {', '.join(missing)}, not installed in this Python: "
-                          f"pip install {' '.join(missing)} (or use --format pt2, which needs only torch)")
+                          f"pip install {' '.join(missing)} (all three: pip install 'ondevice-tl[onnx]'; "
+                          "or use --format pt2, which needs only torch)")
     try:
         torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["logits"],
                           dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), dynamo=True)
