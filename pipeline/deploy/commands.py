@@ -46,7 +46,8 @@ def add_parsers(sub: Any) -> None:
     ev.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     ev.add_argument("data", metavar="FOLDER|RECIPE",
                     help="a class-per-folder image tree (its test/ split when "
-                    "it has split folders) or a recipe YAML (the dataset the model was trained on)")
+                    "it has split folders) or a recipe YAML (the dataset the model was trained on; a run's "
+                    "recipe.resolved.yaml has the run's --set overrides applied)")
     ev.add_argument("--stage", help="the stage whose model to use (a run directory with several)")
     ev.add_argument("--split", help="which split to evaluate (default: test, else val, else all images)")
     ev.add_argument("--data", dest="dataset", metavar="STAGE",
