@@ -273,8 +273,9 @@ REQUIRED = ("network", "input", "class_names", "state_dict_sha256")
 def check_description(meta: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """The description, or ModelFileError saying why this file cannot be used by this toolkit."""
     if meta.get("format") != FORMAT:
+        weights_file = "format" not in meta and path.suffix == ".pt"
         hint = (" (it looks like a weights file, e.g. a pretrain entry's weights.pt: pass a model file, "
-                f"<run>/stages/<stage>/{MODEL_FILE})" if "format" not in meta else "")
+                f"<run>/stages/<stage>/{MODEL_FILE})" if weights_file else "")
         raise ModelFileError(f"{path} is not an ondevice-tl model file: its metadata has format "
                              f"{meta.get('format')!r}, expected {FORMAT!r}{hint}")
     version = meta.get("format_version")

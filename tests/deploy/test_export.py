@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline.cli import main
 from pipeline.deploy import export as exporting
-from pipeline.deploy.model_file import LoadedModel, Preprocess, load_model
+from pipeline.deploy.model_file import FORMAT, FORMAT_VERSION, LoadedModel, Preprocess, load_model
 from pipeline.deploy.predict import predict
 from tests.deploy.runs import CLASSES, run_stock
 
@@ -65,7 +65,9 @@ class Branchy(nn.Module):
 def toy_model(path: Path) -> LoadedModel:
     body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Sequential(nn.ReLU(), Branchy()),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
-    return LoadedModel(body.eval(), Preprocess(8), ["a", "b"], {"class_names": ["a", "b"]}, path)
+    description = {"format": FORMAT, "format_version": FORMAT_VERSION, "network": {"family": "toy"},
+                   "input": Preprocess(8).to_meta(), "class_names": ["a", "b"], "state_dict_sha256": ""}
+    return LoadedModel(body.eval(), Preprocess(8), ["a", "b"], description, path)
 
 
 def test_an_untraceable_layer_is_named_and_torchscript_is_the_fallback(tmp_path: Path) -> None:
