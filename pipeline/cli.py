@@ -23,6 +23,7 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
+from .deploy import commands as deploy_commands
 from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("name", help="quickstart, a method's folder (neuroflux, mobiletl, ...) or all")
     new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one)")
     new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
+    deploy_commands.add_parsers(sub)
     return p
 
 
@@ -254,6 +256,7 @@ COMMANDS = {
     "memory": cmd_memory,
     "cache": cmd_cache,
     "new": cmd_new,
+    **deploy_commands.COMMANDS,
 }
 
 

@@ -4,13 +4,17 @@ An arrow means "may import"; nothing imports a layer above its own:
 
     5 cli       pipeline.cli, pipeline.cache_cli, pipeline.repair (the `cache repair` command's work),
                 pipeline.scaffold (the `new` command: the shipped example recipes), pipeline.__main__,
-                pipeline.api (the Python API: what the commands do, as functions)
+                pipeline.api (the Python API: what the commands do, as functions),
+                pipeline.deploy.{commands,export,predict,evaluate} (the export, predict and evaluate
+                commands' work)
     4 config    pipeline.recipe, pipeline.registry
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
                 run context; a Dask worker re-creates its recipe through the client's Recipe class)
     2 stages    pipeline.stages.*, pipeline.methods.*   (peers that never import each other:
-                a recipe stage type and a method meet only in the registry and the engine)
+                a recipe stage type and a method meet only in the registry and the engine),
+                pipeline.deploy.model_file and .networks (trainers write model files; rebuilding one
+                uses the methods' constructors)
     1 parts     pipeline.ops.*, pipeline.models.*, pipeline.data.*, pipeline.codec.*
     0 shared    pipeline (the package: it imports nothing; the API names it exports are looked up in
                 pipeline.api and the modules named there when first read), pipeline.errors, spec,
@@ -44,11 +48,12 @@ SHARED = {
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
-         "pipeline.scaffold")),
+         "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
+         "pipeline.deploy.evaluate")),
     (4, ("pipeline.recipe", "pipeline.registry")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),
-    (2, ("pipeline.stages", "pipeline.methods")),
+    (2, ("pipeline.stages", "pipeline.methods", "pipeline.deploy")),
     (1, ("pipeline.ops", "pipeline.models", "pipeline.data", "pipeline.codec")),
 ]
 # Same layer, but neither may import the other.

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 
 from stores.durable import atomic_write_bytes
 
+from ..deploy.model_file import MODEL_FILE, save_transfer_model
 from ..device import out_of_memory
 from ..errors import ModelError, StageError
 from ..lazy import lazy_module
@@ -143,6 +144,11 @@ class Finetune(Stage):
         adapted = apply_method(self.method, net.arch, list(net.blocks), top, n, top_input_shape)
         return bottom, top, adapted
 
+    def model_notes(self, specs: dict[str, Spec]) -> dict[str, Any]:
+        """How the model file's weights were trained, for its description."""
+        cut = specs["features"].cut if self.mode == "two_stage" else None
+        return {"mode": self.mode, "trained_on_features_from": f"{cut.precision} bottom" if cut else "images"}
+
     def _footprint(self, bottom: torch.nn.Module, top: TopNet, adapted: Adapted, num_classes: int,
                    top_input_shape: tuple[int, int, int], measure: bool) -> Footprint:
         frozen = 0
@@ -212,8 +218,12 @@ class Finetune(Stage):
                              f"{exc}; remove the entry (`python -m pipeline cache rm "
                              f"{entry.fingerprint[:12]}`) to train again") from None
         out_dir = ctx.stage_dir(call.name)
-        if out_dir is not None and (path / BEST_FILE).is_file():
-            shutil.copyfile(path / BEST_FILE, out_dir / BEST_FILE)
+        if out_dir is not None:
+            for file in (BEST_FILE, MODEL_FILE):
+                if (path / file).is_file():
+                    shutil.copyfile(path / file, out_dir / file)
+            if (out_dir / MODEL_FILE).is_file():
+                metrics["model_file"] = str(out_dir / MODEL_FILE)
         return metrics
 
     def _train(
@@ -272,6 +282,12 @@ class Finetune(Stage):
                                 setting=f"stages.{name}.eval_batch_size",
                                 during="the test evaluation",
                                 resumes="A rerun continues from the last finished epoch") from None
+        # The whole network (frozen bottom + trained top) with the description it is rebuilt from, kept
+        # in the entry beside best.pt, so a reused result gives its model file too.
+        save_transfer_model(ctx, call, bottom=bottom, top=top, arch=model_value.config, train_last_blocks=n,
+                            top_input_shape=shape, method=self.method, resolution=stream.spec.resolution,
+                            data_field="features" if self.mode == "two_stage" else "images",
+                            notes=self.model_notes(specs), directory=out_dir)
         epoch_times = [h["epoch_seconds"] for h in result.history]
         quantization = specs["features"].quantization if self.mode == "two_stage" else None
         metrics = {
@@ -299,6 +315,6 @@ class Finetune(Stage):
             "resumed_after_epochs": result.resumed_from or 0,
             **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,
-            "bytes_written": (out_dir / BEST_FILE).stat().st_size,
+            "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
         }
         return metrics

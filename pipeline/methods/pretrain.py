@@ -16,6 +16,7 @@ from pydantic import Field
 
 from ..data.decode import Decoder, InputAugment
 from ..data.stream import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DatasetStream, placement
+from ..deploy.model_file import save_backbone_model
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue
 from ..models.weights import load_weights, save_weights
@@ -142,6 +143,6 @@ class Pretrain(Stage):
 
     def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> ModelValue:
         state, meta = load_weights(Path(entry.path) / WEIGHTS_FILE)
-        return ModelValue(
-            self._arch(int(meta["num_classes"])), state, f"pretrain entry {entry.fingerprint[:12]}"
-        )
+        arch = self._arch(int(meta["num_classes"]))
+        save_backbone_model(ctx, call, state, arch)  # the run's model file, whether built now or reused
+        return ModelValue(arch, state, f"pretrain entry {entry.fingerprint[:12]}")

@@ -242,6 +242,10 @@ class FinetuneMixed(Finetune):
         spec = super().resolve(inputs, ctx)
         return Spec(RESULT, spec.num_classes, meta={**spec.meta, "top_precision": self.top_precision})
 
+    def model_notes(self, specs: dict[str, Spec]) -> dict[str, Any]:
+        # The model file holds the fp32 master weights; this top trained and was evaluated in bf16.
+        return {**super().model_notes(specs), "top_precision": self.top_precision, "weights": "fp32 master"}
+
     @property
     def precision(self) -> str:
         return "bf16" if self.top_precision == "bf16" else self.train.precision

@@ -31,6 +31,7 @@ from pydantic import Field, field_validator
 
 from stores.catalog import Catalog
 
+from ...deploy.model_file import save_exit_model
 from ...errors import ModelError, StageError
 from ...fingerprint import derived_fingerprint, is_cacheable, partial_fingerprint
 from ...lazy import lazy_module
@@ -391,6 +392,9 @@ class NeuroFlux(_BudgetedTraining):
             "memory_measured_by": _measured_by(ctx.torch_device),
             "spills": run.spill_report(),
             "epochs": self.train.epochs,
+            "model_file": save_exit_model(ctx, call, compact, arch=self.arch, width_mult=self.width_mult,
+                                          in_shape=shape, aux=self.aux_kind, exit_layer=chosen.layer,
+                                          num_classes=images.spec.num_classes),
         }
         metrics["exit_speedup"] = metrics["compact_images_per_s"] / metrics["full_images_per_s"]
         out_dir = ctx.stage_dir(name)
