@@ -405,6 +405,14 @@ def load_model(path: str | Path, stage: str | None = None) -> LoadedModel:
 
     ``path`` is a model file, an exported ``.pt2``/``.onnx`` file (with its description beside it), or a
     run directory (``stage`` names the stage when the run trained more than one model).
+
+    Example::
+
+        import pipeline
+
+        model = pipeline.load_model("runs/quickstart/20261125-120000", stage="two_stage")
+        logits = model(model.transform.batch(["photo.png"]))
+        print(model.class_names[int(logits.argmax())])
     """
     file = resolve_model_path(path, stage)
     if file.suffix in EXPORTED_SUFFIXES:
