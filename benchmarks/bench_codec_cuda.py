@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,21 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks._device import require_device
 from benchmarks._meta import write_result
 from pipeline.codec.moves import CropFlip
 from pipeline.codec.quantile import QuantizedBatch, dequantize, quantize
 
 SHAPE = (96, 14, 14)
 BITS = (1, 2, 4, 8)
-
-
-def refuse_without_cuda(device: str) -> None:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        built = torch.version.cuda
-        print(f"error: --device {device} needs a CUDA GPU, and torch.cuda.is_available() is False here "
-              f"(torch {torch.__version__}, {'CUDA ' + built if built else 'built without CUDA'}); "
-              "run with --device cpu to check the code path on this machine", file=sys.stderr)
-        sys.exit(2)
 
 
 def feature_maps(batch: int, seed: int) -> torch.Tensor:
@@ -150,8 +141,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the dequantize")
     ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
-    refuse_without_cuda(args.device)
-    device = torch.device(args.device)
+    device = require_device(args.device)
     compiled = compile_dequantize() if args.compile else None
     rows = []
     for batch in args.batches:

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from benchmarks._device import device_info, require_device, result_name
 from benchmarks._meta import write_result
-from benchmarks._train_device import device_info, require_device, result_name
 from pipeline.context import RunContext
 from pipeline.progress import Progress
 from pipeline.recipe import load_recipe

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import yaml
 
+from benchmarks._device import device_info, require_device, result_name
 from benchmarks._meta import RESULTS_DIR, write_result
-from benchmarks._train_device import device_info, require_device, result_name
 from pipeline.context import RunContext
 from pipeline.errors import StageError
 from pipeline.methods.neuroflux.exit import ExitCandidate, choose_exit

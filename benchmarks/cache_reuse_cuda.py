@@ -21,7 +21,6 @@ temporary folder (never over the CPU result files).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks._device import require_device
 from benchmarks._meta import write_result
 from pipeline.context import RunContext
 from pipeline.device import ieee_fp32
@@ -43,16 +43,6 @@ from stores.catalog import Catalog
 
 # What the GPU run measures with (bench_cache_reuse's CPU-run options are not used by it).
 SETTINGS = ("device", "samples", "epochs", "bits", "cuts", "batches", "compile", "quick")
-
-
-def refuse_without_cuda(device: str) -> None:
-    """Exit 2 with a clear message when a CUDA measurement is asked for on a machine without one."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        built = torch.version.cuda
-        print(f"error: --device {device} needs a CUDA GPU, and torch.cuda.is_available() is False here "
-              f"(torch {torch.__version__}, {'CUDA ' + built if built else 'built without CUDA'}); "
-              "run with --device cpu to check the code path on this machine", file=sys.stderr)
-        sys.exit(2)
 
 
 def sync(device: torch.device) -> None:
@@ -205,8 +195,7 @@ def measure(n: int, batch: int, args: argparse.Namespace, images_dir: Path, devi
 
 def run(args: argparse.Namespace, write_image_folder: Any, num_images: Any) -> Path:
     """Measure every (batch, cut) and write the result; ``bench_cache_reuse.main`` calls this."""
-    refuse_without_cuda(args.device)
-    device = torch.device(args.device)
+    device = require_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rows, decode_gpu = [], {}

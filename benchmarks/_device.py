@@ -1,4 +1,4 @@
-"""The device a training benchmark runs on: refused clearly when CUDA is asked for and absent, and named in
+"""The device a benchmark runs on: refused clearly when CUDA is asked for and absent, and named in
 the result (a GPU result file says which GPU, CUDA and driver measured it, beside the machine's CPU)."""
 
 from __future__ import annotations
