@@ -169,6 +169,7 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     ep = _Epoch(lr=cfg.lr)
     pace = loop.pace or StepPacer(None)
+    correct = torch.zeros((), dtype=torch.int64, device=loop.device)
     pace.start()
     for step, (x, y) in enumerate(to_device(batches, loop.device)):
         frac = step / steps_per_epoch if steps_per_epoch else 0.5
@@ -189,7 +190,8 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
             )
         loop.amp.step(loss, opt, loop.params, cfg.grad_clip)
         ep.loss_sum += value * len(y)
-        ep.correct += int((logits.detach().argmax(1) == y).sum())
+        # Counted on the device: the loss's .item() above is this step's only wait for the device.
+        correct = correct + (logits.detach().argmax(1) == y).sum()
         ep.samples += len(y)
         ep.steps = step + 1
         pace.step(len(y))  # run.threads: auto adapts the thread count here, between steps
@@ -199,6 +201,7 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
             loop.progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": value, "lr": ep.lr})
     if ep.samples == 0:
         raise DataError(f"train_batches({epoch}) yielded no batches (is the train split empty?)")
+    ep.correct = int(correct)
     return ep
 
 
