@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -23,8 +22,10 @@ from typing import Any
 from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
+from .choose import command as choose_command
 from .deploy import commands as deploy_commands
 from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
+from .sizes import parse_size
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -38,33 +39,6 @@ def _human(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1024' -> 1024."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 2GiB, 500MB or 1048576, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one)")
     new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
     deploy_commands.add_parsers(sub)
+    choose_command.add_parsers(sub)
     return p
 
 
@@ -257,6 +232,7 @@ COMMANDS = {
     "cache": cmd_cache,
     "new": cmd_new,
     **deploy_commands.COMMANDS,
+    **choose_command.COMMANDS,
 }
 
 

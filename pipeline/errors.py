@@ -33,6 +33,11 @@ class ModelError(PipelineError, ValueError):
     """A model request cannot be met (unknown architecture, cut out of range, bad weights)."""
 
 
+class BudgetError(PipelineError, ValueError):
+    """No candidate of a search meets the user's budget; the message names the constraint and the
+    nearest miss."""
+
+
 class DeviceMemoryError(PipelineError, MemoryError):
     """The device (a GPU, or the CPU's RAM) ran out of memory while working: exit 1, not bad input, as
     the recipe is valid and the machine could not hold it at this size. The message names the stage,

@@ -6,7 +6,7 @@ An arrow means "may import"; nothing imports a layer above its own:
                 pipeline.scaffold (the `new` command: the shipped example recipes), pipeline.__main__,
                 pipeline.api (the Python API: what the commands do, as functions),
                 pipeline.deploy.{commands,export,predict,evaluate} (the export, predict and evaluate
-                commands' work)
+                commands' work), pipeline.choose.* (the choose command: a search over runs)
     4 config    pipeline.recipe, pipeline.registry
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
@@ -18,7 +18,7 @@ An arrow means "may import"; nothing imports a layer above its own:
     1 parts     pipeline.ops.*, pipeline.models.*, pipeline.data.*, pipeline.codec.*
     0 shared    pipeline (the package: it imports nothing; the API names it exports are looked up in
                 pipeline.api and the modules named there when first read), pipeline.errors, spec,
-                stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint,
+                stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint, sizes,
                 ops.batching: importable from every layer, and importing only each other (and
                 stores). fingerprint.py is pure hashing over shared types, and stages derive the keys
                 of what they store through it; ops.batching is the batch type streams (stream.py)
@@ -44,12 +44,12 @@ PACKAGES = ("pipeline", "stores")
 SHARED = {
     "pipeline", "pipeline.errors", "pipeline.spec", "pipeline.stage", "pipeline.context", "pipeline.stream",
     "pipeline.lazy", "pipeline.progress", "pipeline.switches", "pipeline.storepath", "pipeline.heap",
-    "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching", "pipeline.device",
+    "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching", "pipeline.device", "pipeline.sizes",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
          "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
-         "pipeline.deploy.evaluate")),
+         "pipeline.deploy.evaluate", "pipeline.choose")),
     (4, ("pipeline.recipe", "pipeline.registry")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),

@@ -303,6 +303,7 @@ class Finetune(Stage):
             "epoch_seconds_all": epoch_times,
             "train_loss_all": [h["train_loss"] for h in result.history],
             "val_accuracy_all": [h.get("val_acc") for h in result.history],
+            "val_loss_all": [h.get("val_loss") for h in result.history],  # breaks ties of val accuracy
             "cache_bytes": stream.stored_bytes() if self.mode == "two_stage" else 0,
             "bits": quantization.bits if quantization is not None else 32,
             "mode": self.mode,
