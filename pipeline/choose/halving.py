@@ -96,7 +96,7 @@ class Rung:
 @dataclass
 class Halving:
     rungs: list[Rung]
-    dropped: dict[str, str]  # candidate id -> where and why it dropped out
+    dropped: dict[str, str]  # candidate id -> where and why it dropped out ('at rung 1: ranked 3 of 3')
     winner: str
 
 
@@ -136,8 +136,8 @@ def successive_halving(
         if rung_no == 0:
             slow = [i for i in alive if rung.trained[i].epoch_seconds > max_epoch_seconds]
             for i in slow:
-                dropped[i] = (f"time: {rung.trained[i].epoch_seconds:.2f} s/epoch > budget "
-                              f"{max_epoch_seconds:g} s (rung 0)")
+                dropped[i] = (f"after rung 0: {rung.trained[i].epoch_seconds:.2f} s/epoch > time budget "
+                              f"{max_epoch_seconds:g} s")
             alive = [i for i in alive if i not in slow]
             if not alive:
                 fastest = min(results, key=lambda r: r.epoch_seconds)
@@ -150,11 +150,11 @@ def successive_halving(
         if rung_epochs_now == schedule[-1] and (len(alive) == 1 or step == len(schedule) - 1):
             rung.kept = ranked[:1]
             for place, i in enumerate(ranked[1:], start=2):
-                dropped[i] = f"rung {rung_no}: ranked {place} of {len(ranked)} at full epochs"
+                dropped[i] = f"at rung {rung_no}: ranked {place} of {len(ranked)} at full epochs"
             return Halving(rungs, dropped, ranked[0])
         keep = max(1, math.ceil(len(ranked) / eta))
         rung.kept = ranked[:keep]
         for place, i in enumerate(ranked[keep:], start=keep + 1):
-            dropped[i] = f"rung {rung_no}: ranked {place} of {len(ranked)} (kept {keep})"
+            dropped[i] = f"at rung {rung_no}: ranked {place} of {len(ranked)} (kept {keep})"
         alive = rung.kept
         step += 1

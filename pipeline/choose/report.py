@@ -44,7 +44,7 @@ def rows(result: ChooseResult) -> list[dict[str, Any]]:
         elif m.excluded is not None:
             outcome = f"excluded: {m.excluded}"
         else:
-            outcome = f"dropped at {result.halving.dropped.get(cid, '?')}"
+            outcome = f"dropped {result.halving.dropped[cid]}"
         out.append({
             "id": cid,
             "settings": m.candidate.settings,
@@ -102,7 +102,8 @@ def winner_yaml(result: ChooseResult, command: str) -> str:
         "# Overrides applied to that recipe (targets narrowed to the chosen stage):",
         *(f"#   {k}: {json.dumps(v)}" for k, v in won.overrides.items()),
     ]
-    body = yaml.dump(result.winner.resolved_dict(), Dumper=_PlainDumper, sort_keys=False, width=110)
+    body = yaml.dump(result.winner.resolved_dict(), Dumper=_PlainDumper, sort_keys=False, width=110,
+                     default_flow_style=None)
     return "\n".join(header) + "\n" + body
 
 

@@ -52,15 +52,15 @@ def test_the_best_third_goes_on_until_one_trains_at_full_epochs() -> None:
     assert [(e, len(ids)) for e, ids in fake.calls] == [(1, 9), (3, 3), (9, 1)]
     assert fake.calls[1][1] == ["c09", "c08", "c07"]
     assert result.winner == "c09" and result.rungs[-1].epochs == 9
-    assert result.dropped["c01"] == "rung 0: ranked 9 of 9 (kept 3)"
-    assert result.dropped["c07"] == "rung 1: ranked 3 of 3 (kept 1)"
+    assert result.dropped["c01"] == "at rung 0: ranked 9 of 9 (kept 3)"
+    assert result.dropped["c07"] == "at rung 1: ranked 3 of 3 (kept 1)"
 
 
 def test_slow_candidates_drop_out_after_rung_0() -> None:
     accuracy = {f"c{i:02d}": i / 100 for i in range(1, 10)}
     fake = FakeTraining(accuracy, seconds={"c09": 12.5, "c08": 11.0})
     result = halve(cands(9), fake)
-    assert result.dropped["c09"] == "time: 12.50 s/epoch > budget 10 s (rung 0)"
+    assert result.dropped["c09"] == "after rung 0: 12.50 s/epoch > time budget 10 s"
     assert "c08" in result.dropped and result.winner == "c07"
     assert fake.calls[1][1] == ["c07", "c06", "c05"]  # ceil(7 / 3) of the 7 within the time budget
 
