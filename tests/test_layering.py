@@ -18,8 +18,8 @@ An arrow means "may import"; nothing imports a layer above its own:
     1 parts     pipeline.ops.*, pipeline.models.*, pipeline.data.*, pipeline.codec.*
     0 shared    pipeline (the package: it imports nothing; the API names it exports are looked up in
                 pipeline.api and the modules named there when first read), pipeline.errors, spec,
-                stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint, sizes,
-                ops.batching: importable from every layer, and importing only each other (and
+                stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint,
+                sizes, ops.batching: importable from every layer, and importing only each other (and
                 stores). fingerprint.py is pure hashing over shared types, and stages derive the keys
                 of what they store through it; ops.batching is the batch type streams (stream.py)
                 are made of.

@@ -258,7 +258,7 @@ def build_candidates(
         dims["bits"] = list(DEFAULT_BITS)
     recipe_cut = getattr(recipe.stages[knobs.cut], "train_last_blocks", None)
     # Varied per arch, in a fixed order: cut, bits, method, then the user's other keys.
-    rest = [k for k in ("cut", "bits", "method") if k in dims or k == "cut"]
+    rest: list[str] = [k for k in ("cut", "bits", "method") if k in dims or k == "cut"]
     rest += [k for k in dims if k not in KNOBS]
     out: list[Candidate] = []
     for arch in dims.get("arch", [None]):
@@ -268,9 +268,8 @@ def build_candidates(
             cut = recipe_cut if isinstance(recipe_cut, int) and 0 < recipe_cut <= blocks else blocks // 2
             cuts = default_cuts(blocks, cut)
         for combo in itertools.product(*(cuts if k == "cut" else dims[k] for k in rest)):
-            settings = dict(zip(rest, combo, strict=True))
-            if arch is not None:
-                settings = {"arch": arch, **settings}
+            settings: dict[str, Any] = {} if arch is None else {"arch": arch}
+            settings.update(zip(rest, combo, strict=True))
             overrides = {paths.get(k, k): v for k, v in settings.items()}
             out.append(Candidate(f"c{len(out) + 1:02d}", settings, overrides))
     return out

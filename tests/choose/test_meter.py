@@ -71,8 +71,8 @@ def test_no_candidate_within_memory_says_which_and_trains_nothing(tmp_path: Path
                space=parse_space(["cut=1,7", "bits=2", "method=vanilla,tinytl:lite"]),
                store=tmp_path, output=tmp_path / "out", log=lambda line: None, train=never_train)
     message = str(err.value)
-    assert message.startswith("no candidate meets the budget: --max-memory 0.10 MiB excluded 3: the smallest, "
-                              "c04 (cut=7 bits=2 method=tinytl:lite), needs ")
+    assert message.startswith("no candidate meets the budget: --max-memory 0.10 MiB excluded 3: the "
+                              "smallest, c04 (cut=7 bits=2 method=tinytl:lite), needs ")
     assert "1 cannot run as set up (invalid: " in message and "hold no inverted residual block" in message
 
 

@@ -1,4 +1,4 @@
-"""The search space of ``choose``: KEY=V1,V2 texts, the knobs found in a recipe, the candidates; no torch work."""
+"""The search space of ``choose``: KEY=V1,V2 texts, the knobs found in a recipe, the candidates (no torch)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def test_user_space_with_dotted_paths_and_arch(quick) -> None:  # type: ignore[n
     # default cuts per arch: resnet18 has 6 blocks (2, 3), mobilenet_v2 19 (5, 7, 10)
     assert len(cands) == (3 + 2) * 2 * 2
     first = cands[0]
-    assert first.describe() == "arch=mobilenet_v2 cut=5 bits=4 method=tinytl:lite stages.two_stage.train.lr=0.01"
+    assert first.describe() == ("arch=mobilenet_v2 cut=5 bits=4 method=tinytl:lite "
+                                "stages.two_stage.train.lr=0.01")
     assert first.overrides["stages.two_stage.method"] == {"type": "tinytl", "mode": "lite"}
     assert first.overrides["stages.backbone.arch"] == "mobilenet_v2"
     assert {c.settings["cut"] for c in cands if c.settings["arch"] == "resnet18"} == {2, 3}
