@@ -22,6 +22,8 @@ Usage: python -m benchmarks.bench_choose [--epochs 10] [--eta 3] [--space cut=5,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import shutil
 import tempfile
 import time
@@ -73,17 +75,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=10, help="full training length (the last rung's)")
     ap.add_argument("--eta", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every run (run.threads)")
     ap.add_argument("--space", action="append", help=f"KEY=V1,V2 (default: {' '.join(SPACE)})")
     ap.add_argument("--max-memory", type=int, default=64 * 2**20, help="bytes (default 64 MiB)")
     ap.add_argument("--max-epoch-seconds", type=float, default=60.0)
     ap.add_argument("--base-store", type=Path, help="store with (or to get) the pretrained backbone; "
                     "default: a temporary one")
     ap.add_argument("--results-dir", type=Path, help="write the JSON here instead of benchmarks/results")
+    ap.add_argument("--work-dir", type=Path, help="keep the stores and run records here (default: temporary)")
     args = ap.parse_args()
     space_texts = args.space or SPACE
-    overrides = [f"stages.{TARGET}.train.epochs={args.epochs}"]
+    # One torch thread: on a shared 2-core host, two threads per process contend with the other work and
+    # an epoch takes many times longer (the Fashion-MNIST tables in benchmarks/README.md use 1 too).
+    overrides = [f"stages.{TARGET}.train.epochs={args.epochs}", f"run.threads={args.threads}"]
 
-    with tempfile.TemporaryDirectory(prefix="bench-choose-") as tmp_dir:
+    work = tempfile.TemporaryDirectory(prefix="bench-choose-") if args.work_dir is None else None
+    with work if work is not None else contextlib.nullcontext(str(args.work_dir)) as tmp_dir:
         tmp = Path(tmp_dir)
         base = args.base_store or tmp / "base"
         fingerprint, backbone_seconds = backbone_store(base, overrides, tmp)
@@ -104,6 +111,10 @@ def main() -> None:
                                 store=fresh_store(base, fingerprint, tmp / "grid-store"), output=tmp / "grid",
                                 log=log, rung=0)
         grid_wall = time.perf_counter() - start
+        # The raw numbers first: the summary below is derived from them alone.
+        (tmp / "raw.json").write_text(json.dumps({"grid": [vars(t) for t in grid], "grid_wall": grid_wall,
+                                                  "choose_wall": choose_wall, "choose_cost": chosen.cost()},
+                                                 default=str))
 
     pick = chosen.halving.rungs[-1].trained[chosen.halving.winner]
     ranked = sorted(grid, key=lambda t: (-t.val_accuracy, t.val_loss if t.val_loss is not None else 1e9))
@@ -116,6 +127,7 @@ def main() -> None:
                  "build_seconds": sum(t.build_seconds for t in grid), "wall_seconds": grid_wall}
     payload = {
         "settings": {"recipe": str(RECIPE.relative_to(ROOT)), "target": TARGET, "space": space_texts,
+                     "threads": args.threads,
                      "candidates": len(chosen.candidates), "fitting": len(fitting), "epochs": args.epochs,
                      "eta": args.eta, "max_memory_bytes": args.max_memory,
                      "max_epoch_seconds": args.max_epoch_seconds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,25 +20,21 @@ def _memory(text: str) -> int:
     return size
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds as a number, e.g. 2.5, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+def _checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: ``cast`` the text, refuse a value that is not ``ok``, saying what was expected."""
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
 
 
-def _eta(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (each rung keeps the best 1/eta), "
-                                         f"got {value}")
-    return value
+_seconds = _checked(float, lambda v: 0 < v < float("inf"), "a positive number of seconds, e.g. 2.5")
+_eta = _checked(int, lambda v: v >= 2, "an integer >= 2 (each rung keeps the best 1/eta)")
 
 
 def add_parsers(sub: Any) -> None:
