@@ -80,7 +80,7 @@ def anchor(text: str) -> str:
 
 @cache
 def gpu_commands() -> dict[str, str]:
-    """CPU result name -> the command that measures its GPU counterpart (``GPU_COMMANDS`` of the page modules),
+    """CPU result name -> the command measuring its GPU counterpart (``GPU_COMMANDS`` of the page modules),
     so the headline says what is still to be measured on a GPU, and how."""
     found: dict[str, str] = {}
     for info in sorted(pkgutil.iter_modules(pages.__path__), key=lambda i: i.name):

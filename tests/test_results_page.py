@@ -255,7 +255,8 @@ def test_gpu_results_sit_beside_their_cpu_result_each_naming_its_machine(tmp_pat
     cpu_cell, gpu_cell = codec_row.split(" | ")[1:3]
     assert "[codec](#codec)" in cpu_cell and "2 cores" in cpu_cell
     assert "[codec_cuda](#codec_cuda)" in gpu_cell and "NVIDIA H100 80GB HBM3" in gpu_cell
-    assert not any(line.startswith("| codec_cuda |") for line in headline.splitlines())  # one row, two columns
+    # one row, two columns
+    assert not any(line.startswith("| codec_cuda |") for line in headline.splitlines())
     # A benchmark whose GPU run is still missing says so, with the command that measures it.
     neuroflux_row = next(line for line in headline.splitlines() if line.startswith("| neuroflux |"))
     assert "not measured yet: `python -m benchmarks.bench_neuroflux --device cuda" in neuroflux_row
