@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import yaml
 
 from .data.image_folder import SkippedSamplesWarning
+from .errors import stage_of
 from .runner import Runner, StageReport
 from .spec import RESULT
 
@@ -95,24 +95,8 @@ class Failure:
         return {"stage": self.stage, "error": self.error, "message": self.message}
 
 
-def failing_stage(tb: TracebackType | None) -> str | None:
-    """The innermost stage the runner was resolving or producing where the traceback ends.
-
-    A stream stage does its work when a consumer pulls from it, so an error there is reported at
-    the consumer (the cache or trainer that was pulling), the stage that was working in the run.
-    """
-    frames = (Runner.output.__code__, Runner._resolve.__code__)
-    stage = None
-    while tb is not None:
-        if tb.tb_frame.f_code in frames:
-            name = tb.tb_frame.f_locals.get("name")
-            stage = name if isinstance(name, str) else stage
-        tb = tb.tb_next
-    return stage
-
-
 def failure_of(exc: BaseException, *, status: str, message: str | None = None) -> Failure:
-    return Failure(status, failing_stage(exc.__traceback__), type(exc).__name__, message or str(exc))
+    return Failure(status, stage_of(exc), type(exc).__name__, message or str(exc))
 
 
 def _human(n: float) -> str:
