@@ -248,8 +248,8 @@ def main() -> None:
                      "fashion": "mobilenet_v2 width 0.5, small_input, 32x32, last 7 blocks (two-stage), "
                                 "batch 32, 5 classes, AdamW",
                      "convention": "analytic: inputs of trained conv/linear/norm at 32 bit, ReLU masks "
-                                   "1 bit (map convention: 32 bit), h-swish/sigmoid/SE inputs 32 bit; total = "
-                                   "weights + grads + AdamW + activations",
+                                   "1 bit (map convention: 32 bit), h-swish/sigmoid/SE inputs 32 bit; "
+                                   "total = weights + grads + AdamW + activations",
                      "paper_table1": "not found: no absolute paper numbers for the blocks; the paper's "
                                      "reductions at expansion 6 (Figure 1) are compared"},
         "blocks": blocks,

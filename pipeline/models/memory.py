@@ -92,7 +92,8 @@ def _trained(p: torch.Tensor | None) -> bool:
 def check_convention(convention: str) -> None:
     """Raise a ValueError naming the valid conventions unless ``convention`` is one of them."""
     if convention not in CONVENTIONS:
-        raise ValueError(f"unknown memory convention {convention!r}; expected one of {', '.join(CONVENTIONS)}")
+        valid = ", ".join(CONVENTIONS)
+        raise ValueError(f"unknown memory convention {convention!r}; expected one of {valid}")
 
 
 def stored_bits(module: nn.Module, input_requires_grad: bool, convention: str = "mask") -> tuple[int, str]:
