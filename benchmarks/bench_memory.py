@@ -21,7 +21,7 @@ Step time: the fastest of ``--steps`` timed steps (forward, backward, AdamW step
 steps, on random data, ``torch.set_num_threads(--threads)``. The CPU is shared with other jobs, and
 the fastest step is the one they disturbed least; times are indicative, memory numbers are exact.
 
-Usage: python -m benchmarks.bench_memory [--steps 5] [--threads 1] [--skip-imagenet]
+Usage: python -m benchmarks.bench_memory [--steps 5] [--threads 1] [--skip-imagenet] [--output-dir DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import argparse
 import copy
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,6 +199,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7, help="timed training steps per variant (fastest counts)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU is shared)")
     ap.add_argument("--skip-imagenet", action="store_true", help="skip the 224x224 MobileNetV2 table")
+    ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results "
+                    "(a run on a busy machine: its step times must not replace the committed ones)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -256,7 +259,7 @@ def main() -> None:
         "imagenet": imagenet,
         "fashion": fashion,
         "findings": findings,
-    })
+    }, directory=args.output_dir)
     print(f"wrote {path}")
 
 

@@ -236,3 +236,21 @@ def test_a_record_whose_script_was_removed_is_not_offered_as_a_rerun(built: tupl
     section = text.split("\n## openmp_spin\n", 1)[1].split("\n## ", 1)[0]
     assert "Switch removed because of this result" in section
     assert "`python -m benchmarks.bench_openmp_spin --batches 8 --repeats 6`" in section  # provenance stays
+
+
+def test_memory_blocks_show_the_map_convention_only_where_the_result_has_it(tmp_path: Path) -> None:
+    record = json.loads((REPO_RESULTS / "memory.json").read_text())
+    for b in record["blocks"]:  # as bench_memory writes them since the meter's map convention
+        b.update(activation_bytes_map=2 * b["activation_bytes"], measured_over_map=0.5,
+                 reduction_vs_vanilla_map=0.25)
+    for with_map in (False, True):
+        results = tmp_path / f"map_{with_map}"
+        results.mkdir()
+        data = record if with_map else json.loads((REPO_RESULTS / "memory.json").read_text())
+        (results / "memory.json").write_text(json.dumps(data))
+        assert run(results, results / "README.md") == 0
+        page = (results / "README.md").read_text()
+        assert ("| analytic (map) |" in page) is with_map and ("reduction (map)" in page) is with_map
+        if with_map:
+            first = record["blocks"][0]
+            assert f"| {nbytes(first['activation_bytes_map'])} |" in page and "| 25% |" in page
