@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     recipe_args(mem)
     mem.add_argument("--json", action="store_true", help="machine-readable output")
+    mem.add_argument(  # choices: pipeline.models.memory.CONVENTIONS, not imported (parsing needs no torch)
+        "--convention", choices=("mask", "map"), default="mask",
+        help="analytic count of step-derivative activations (ReLU, ReLU6): a 1-bit mask (default) or their "
+        "32-bit activation map, as PyTorch saves it; see docs/reference.md",
+    )
     cache_cli.add_parser(sub)
     new = sub.add_parser(
         "new",
@@ -204,7 +209,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    text, data = memory_report(recipe, _context(args, recipe, output=None, quiet=True))
+    text, data = memory_report(recipe, _context(args, recipe, output=None, quiet=True),
+                               convention=args.convention)
     print(json.dumps(data, indent=2, default=float) if args.json else text)
     return EXIT_OK
 

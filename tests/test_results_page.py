@@ -262,3 +262,21 @@ def test_gpu_results_sit_beside_their_cpu_result_each_naming_its_machine(tmp_pat
     assert "not measured yet: `python -m benchmarks.bench_neuroflux --device cuda" in neuroflux_row
     section = text.split("\n## codec_cuda\n", 1)[1].split("\n## ", 1)[0]
     assert "- Machine: GPU NVIDIA H100 80GB HBM3 (CUDA 12.8), host: host CPU" in section
+
+
+def test_memory_blocks_show_the_map_convention_only_where_the_result_has_it(tmp_path: Path) -> None:
+    record = json.loads((REPO_RESULTS / "memory.json").read_text())
+    for b in record["blocks"]:  # as bench_memory writes them since the meter's map convention
+        b.update(activation_bytes_map=2 * b["activation_bytes"], measured_over_map=0.5,
+                 reduction_vs_vanilla_map=0.25)
+    for with_map in (False, True):
+        results = tmp_path / f"map_{with_map}"
+        results.mkdir()
+        data = record if with_map else json.loads((REPO_RESULTS / "memory.json").read_text())
+        (results / "memory.json").write_text(json.dumps(data))
+        assert run(results, results / "README.md") == 0
+        page = (results / "README.md").read_text()
+        assert ("| analytic (map) |" in page) is with_map and ("reduction (map)" in page) is with_map
+        if with_map:
+            first = record["blocks"][0]
+            assert f"| {nbytes(first['activation_bytes_map'])} |" in page and "| 25% |" in page
