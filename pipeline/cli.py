@@ -174,6 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "inputs": r.inputs,
                         "action": r.action,
                         "estimate_bytes": r.estimate_bytes,
+                        **({"note": r.note} if r.note else {}),
                     }
                     for r in rows
                 ],
@@ -186,7 +187,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in rows:
         src = ", ".join(f"{k}={v}" for k, v in r.inputs.items()) or "-"
         est = f"  ~{_human(r.estimate_bytes)}" if r.estimate_bytes else ""
-        print(f"  {r.name:<{width}}  {r.type:<14} {r.fingerprint[:12]}  {r.action:<8}{est}  <- {src}")
+        note = f"  ({r.note})" if r.note else ""
+        print(f"  {r.name:<{width}}  {r.type:<14} {r.fingerprint[:12]}  {r.action:<8}{est}  <- {src}{note}")
     todo = sum(r.action.startswith("compute") for r in rows)
     reuse = sum(r.action == "reuse" for r in rows)
     print(f"{len(rows)} stages: {reuse} stored and reused, {todo} to compute")

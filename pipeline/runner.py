@@ -59,6 +59,7 @@ class PlanRow:
     action: str  # "reuse" | "compute" | "compute (not stored)" | "stream"
     estimate_bytes: int | None
     spec: Spec
+    note: str | None = None  # the stage's own line for the plan (Stage.plan_note)
 
 
 class Runner:
@@ -150,6 +151,8 @@ class Runner:
                 action = "index"
             else:
                 action = "stream" if stage.kind == STREAM else "compute"
+            call = self.calls[name]
+            action = stage.plan_action(call) or action
             rows.append(
                 PlanRow(
                     name,
@@ -160,6 +163,7 @@ class Runner:
                     action,
                     stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
                     self.specs[name],
+                    stage.plan_note(call),
                 )
             )
         return rows
@@ -271,6 +275,8 @@ class Runner:
                 report = self.reports[name]
                 report.seconds = value.stats.seconds
                 report.status = "computed" if value.stats.batches else "reused"
+                if value.stats.batches:
+                    report.metrics = value.report()
             elif name not in self.reports:
                 self.reports[name] = StageReport(
                     name, stage.type_name, stage.kind, self.fingerprints[name], "reused"
