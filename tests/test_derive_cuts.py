@@ -50,7 +50,8 @@ def test_cut_variants_share_one_decode_and_one_bottom(tmp_path: Path) -> None:
     for recipe, original in zip(rewritten, variants, strict=True):
         stages = recipe.stages
         assert stages["features"].input == "features__cut7_read"
-        assert stages["features__cut7"].train_last_blocks == 7 and stages["features__cut7"].input == "target_images"
+        bottom = stages["features__cut7"]
+        assert bottom.train_last_blocks == 7 and bottom.input == "target_images"
         assert stages["features__cut7_float"].bits == 32 and stages["features__cut7_float"].eval_bits == 32
         assert stages["features"].train_last_blocks == original.stages["features"].train_last_blocks
         # Everything else is as it was, stage for stage.
@@ -96,7 +97,8 @@ SMALL = {
         "backbone": {"type": "backbone", "arch": "mobilenet_v2", "width_mult": 0.35, "small_input": True,
                      "resolution": 32, "num_classes": 5, "weights": "random"},
         "images": {"type": "decode", "input": "target", "resolution": 32},
-        "features": {"type": "frozen_forward", "input": "images", "model": "backbone", "train_last_blocks": 1},
+        "features": {"type": "frozen_forward", "input": "images", "model": "backbone",
+                     "train_last_blocks": 1},
         "quantized": {"type": "quantize", "input": "features", "bits": 2},
         "cache": {"type": "cache", "input": "quantized"},
     },

@@ -63,6 +63,9 @@ def coded_spec(data: Spec, bits_for: Callable[[str], int], bits: int, k: float, 
             fields.update(quantized_fields(field.shape, split_bits))
         splits[name] = SplitSpec(s.num_samples, fields)
     feature_shape = next(iter(data.splits.values())).fields["x"].shape
+    # A stream coded again (an n-bit cache made from a dequantized float one) says how it is coded now.
+    meta = {key: value for key, value in data.meta.items() if key != "coded_bits"}
+    data = Spec(data.kind, data.num_classes, data.splits, meta)
     return data.with_quantization(splits, Quantization(bits, k, feature_shape))
 
 

@@ -228,8 +228,8 @@ def split_at(net: BlockNet, train_last_blocks: int) -> tuple[nn.Sequential, TopN
 
 
 def blocks_between(net: BlockNet, stored: int, train_last_blocks: int) -> nn.Sequential:
-    """Blocks ``[n-stored, n-train_last_blocks)``: what turns features at the cut ``stored`` into
-    features at the higher cut ``train_last_blocks`` (empty when the two are equal); shares ``net``'s modules."""
+    """Blocks ``[n-stored, n-train_last_blocks)``: what turns features at the cut ``stored`` into features
+    at the higher cut ``train_last_blocks`` (empty when the two are equal); shares ``net``'s modules."""
     low, high = _check_cut(net, stored), _check_cut(net, train_last_blocks)
     if high < low:
         raise ModelError(f"train_last_blocks={train_last_blocks} is below the stored cut train_last_blocks="

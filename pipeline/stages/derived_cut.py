@@ -38,12 +38,12 @@ from ..models.arch import ArchConfig, structure
 from ..ops.batching import Batch, batch_size_of, rechunk
 from ..ops.device_feed import to_device
 from ..spec import Cut, FieldSpec, Spec, SplitSpec
-from .forward import ForwardStream
+from ..stream import Stream
 
 if TYPE_CHECKING:
     from ..context import RunContext
     from ..models import zoo
-    from .forward import FrozenForward
+    from .forward import ForwardStream, FrozenForward
 else:
     zoo = lazy_module("pipeline.models.zoo")
 
@@ -83,7 +83,8 @@ def derived_spec(stage: FrozenForward, data: Spec, model: Spec, ctx: RunContext)
     if stage.precision != source.precision:
         raise StageError(
             f"precision: {stage.precision} differs from the stored cut's ({source.precision}); a derived "
-            f"cut runs the rest of the bottom in the stored cut's arithmetic: set precision: {source.precision}"
+            "cut runs the rest of the bottom in the stored cut's arithmetic: set precision: "
+            f"{source.precision}"
         )
     lossy = _lossy_splits(data)
     if lossy and not stage.lossy_source:
@@ -139,8 +140,8 @@ def plan_note(spec: Spec) -> str:
     return f"cut {source['train_last_blocks']} -> {cut.train_last_blocks}: {blocks} on `{source['stream']}`"
 
 
-class DerivedForwardStream(ForwardStream):
-    """``parent``'s stored features through the blocks between two cuts, in aligned batches.
+class DerivedForwardStream(Stream):
+    """The stored features ``forward`` reads, through its blocks (those between two cuts), in aligned batches.
 
     Batches are ``batch_size`` samples counted from the split's first sample, whatever batches
     the stored stream yields (its chunks): opened at ``start``, the parent is opened at the batch
@@ -149,18 +150,23 @@ class DerivedForwardStream(ForwardStream):
     cost for the run's stage report.
     """
 
-    def __init__(self, *args: Any, derived_from: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, forward: ForwardStream, batch_size: int, derived_from: dict[str, Any]) -> None:
+        self.forward = forward
+        self.parent = forward.parent
+        self.spec = forward.spec
+        self.stats = forward.stats
+        self.batch_size = batch_size
         self.derived_from = derived_from
 
     def open(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
              start: int = 0) -> Iterator[Batch]:
-        size = self.batch_size or DERIVE_BATCH
+        size = self.batch_size
         aligned = start - start % size
         lead_in = start - aligned
         parent = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=aligned)
-        batches = to_device(rechunk(parent, size), self.device, ("x",), depth=self.feed_depth)
-        for batch in self._forward(batches, split):
+        forward = self.forward
+        batches = to_device(rechunk(parent, size), forward.device, ("x",), depth=forward.feed_depth)
+        for batch in forward.forward_batches(batches, split):
             if lead_in:
                 n = batch_size_of(batch)
                 skip = min(n, lead_in)
@@ -169,6 +175,9 @@ class DerivedForwardStream(ForwardStream):
                     continue
                 batch = {key: value[skip:] for key, value in batch.items()}
             yield batch
+
+    def stored_bytes(self) -> int:
+        return self.parent.stored_bytes()
 
     def report(self) -> dict[str, Any]:
         seconds, samples = self.stats.seconds, self.stats.samples

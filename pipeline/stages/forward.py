@@ -77,9 +77,9 @@ class ForwardStream(Stream):
         batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
         if self.batch_size:
             batches = rechunk(batches, self.batch_size)
-        yield from self._forward(to_device(batches, self.device, ("x",), depth=self.feed_depth), split)
+        yield from self.forward_batches(to_device(batches, self.device, ("x",), depth=self.feed_depth), split)
 
-    def _forward(self, batches: Iterator[Batch], split: str) -> Iterator[Batch]:
+    def forward_batches(self, batches: Iterator[Batch], split: str) -> Iterator[Batch]:
         """Each batch's ``x`` through the bottom, timed into ``stats``."""
         dtype = getattr(torch, self.autocast) if self.autocast else None
         for batch in batches:
@@ -194,7 +194,7 @@ class FrozenForward(Stage):
     def plan_action(self, call: StageCall) -> str | None:
         return "derive" if self.plan_note(call) is not None else None
 
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ForwardStream:
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Stream:
         model: ModelValue = inputs["model"]
         spec = call.spec
         source = call.inputs["input"].cut
@@ -215,17 +215,18 @@ class FrozenForward(Stage):
                              AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
 
     def _derived(self, ctx: RunContext, stream: Stream, model: ModelValue, call: StageCall,
-                 stored: int) -> ForwardStream:
+                 stored: int) -> Stream:
         """The blocks between the stored cut and this one, over the stored features (resolve checked them)."""
-        from .derived_cut import DerivedForwardStream
+        from .derived_cut import DERIVE_BATCH, DerivedForwardStream
 
-        middle = zoo.blocks_between(model.build(), stored, self.train_last_blocks)
-        for p in middle.parameters():
+        blocks = zoo.blocks_between(model.build(), stored, self.train_last_blocks)
+        for p in blocks.parameters():
             p.requires_grad_(False)
-        middle = fold_batch_norms(middle.eval())
-        return DerivedForwardStream(stream, middle.to(ctx.torch_device), call.spec, self.batch_size,
-                                    AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name,
-                                    derived_from=dict(call.spec.meta["derived_from"]))
+        middle = fold_batch_norms(blocks.eval())
+        forward = ForwardStream(stream, middle.to(ctx.torch_device), call.spec, None,
+                                AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
+        return DerivedForwardStream(forward, self.batch_size or DERIVE_BATCH,
+                                    dict(call.spec.meta["derived_from"]))
 
     def _int8(self, ctx: RunContext, stream: Stream, bottom: torch.nn.Module,
               name: str) -> tuple[torch.nn.Module, str]:

@@ -68,19 +68,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = tmp_path_factory.mktemp("store")
     # der4b: the derivation in other batches (50, not 64), read straight from the stream (a cache of it
     # would be der4's entry: the batch size is not part of a fingerprint).
-    der4b = {"der4b_ff": {"type": "frozen_forward", "input": "k7_d", "model": "backbone", "train_last_blocks": 4,
-                          "batch_size": 50},
+    der4b = {"der4b_ff": {"type": "frozen_forward", "input": "k7_d", "model": "backbone",
+                          "train_last_blocks": 4, "batch_size": 50},
              "der4b_q": {"type": "quantize", "input": "der4b_ff", "bits": 32, "eval_bits": 32},
              "der4b_c": {"type": "cache", "input": "der4b_q"}}
     r = recipe(chain("k7", "images", 7), chain("img4", "images", 4), chain("der4", "k7_d", 4), der4b,
                targets=["img4_d", "der4_d", "der4b_ff", "der4b_c"])
     runner = Runner(r, run_context(r, store=store, quiet=True))
     reports = {rep.name: rep for rep in runner.run()}
-    out: dict[str, Any] = {"store": store, "reports": reports, "fingerprints": dict(runner.fingerprints),
-                           "plan": {row.name: row for row in runner.plan()}, "values": {}}
+    out: dict[str, Any] = {"store": store, "reports": reports, "values": {},
+                           "fingerprints": dict(runner.fingerprints),
+                           "plan": {row.name: row for row in runner.plan()}}
     for split in ("train", "val", "test"):
-        out["values"][split] = {name: values(runner._outputs[f"{name}_d"], split) for name in ("img4", "der4")}
-        out["values"][split]["der4b"] = values(runner._outputs["der4b_ff"], split)
+        streams = {"img4": "img4_d", "der4": "der4_d", "der4b": "der4b_ff"}
+        out["values"][split] = {name: values(runner._outputs[stage], split) for name, stage in streams.items()}
     runner.release()
     return out
 
