@@ -81,7 +81,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                            "plan": {row.name: row for row in runner.plan()}}
     for split in ("train", "val", "test"):
         streams = {"img4": "img4_d", "der4": "der4_d", "der4b": "der4b_ff"}
-        out["values"][split] = {name: values(runner._outputs[stage], split) for name, stage in streams.items()}
+        out["values"][split] = {name: values(runner._outputs[s], split) for name, s in streams.items()}
     runner.release()
     return out
 
