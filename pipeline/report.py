@@ -305,6 +305,17 @@ def write_run_outputs(
             f"| {s['name']} | {s['type']} | {s['status']} | `{s['fingerprint'][:12]}` | "
             f"{s['seconds']:.2f} | {_human(s['bytes_written'])} |"
         )
+    derived = [s for s in stages if "derived_from" in s.get("metrics", {})]
+    if derived:
+        lines += ["", "Derived from stored features (only the blocks between the two cuts ran):", ""]
+        for s in derived:
+            m = s["metrics"]
+            source, (a, b) = m["derived_from"], m["derived_from"]["blocks"]
+            rate = f" ({m['samples_per_s']:.0f} samples/s)" if _number(m.get("samples_per_s")) else ""
+            blocks = f"blocks {a}..{b - 1}" if b > a else "no blocks"
+            lines.append(f"- `{s['name']}`: cut {source['train_last_blocks']} of `{source['stream']}` "
+                         f"(`{str(source['fingerprint'])[:12]}`), {blocks}: {m['samples']} samples in "
+                         f"{m['seconds']:.2f} s{rate}")
     if results:
         lines += [
             "",

@@ -193,3 +193,22 @@ def test_plan_command_shows_the_derivation(tmp_path: Path, capsys: pytest.Captur
     path.write_text(yaml.safe_dump({"name": "derive", "stages": stages, "targets": ["d_c"]}))
     assert main(["plan", str(path), "--store", str(tmp_path / "store")]) == 2
     assert "below the cut" in capsys.readouterr().err
+
+
+def test_the_run_record_reports_the_derivation(built: dict[str, Any], tmp_path: Path) -> None:
+    import json
+
+    from pipeline.api import run
+
+    stages = {**BASE, **chain("k7", "images", 7), **chain("d1", "k7_d", 1)}
+    result = run({"name": "derive", "run": {"threads": 2}, "stages": stages, "targets": ["d1_c"]},
+                 store=built["store"], output=tmp_path / "run", quiet=True)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    by_name = {s["name"]: s for s in summary["stages"]}
+    assert by_name["k7_c"]["status"] == "reused" and by_name["k7_ff"]["status"] == "reused"
+    cost = by_name["d1_ff"]["metrics"]
+    assert cost["derived_from"]["blocks"] == [12, 18] and cost["samples"] == 748
+    report = (result.run_dir / "report.md").read_text()
+    assert "Derived from stored features" in report
+    assert f"- `d1_ff`: cut 7 of `k7_d` (`{built['fingerprints']['k7_d'][:12]}`), blocks 12..17: 748 samples" \
+        in report
