@@ -43,12 +43,12 @@ def test_cut_variants_share_one_decode_and_one_bottom(tmp_path: Path) -> None:
     assert len(image_forwards(after)) == 1  # the bottom at cut 7, run once for all three
     assert len(fingerprints(after, "decode")) == 1
     assert len(fingerprints(after, "cache", "compute")) == 1 + 3  # the shared float cache + each 2-bit one
-    notes = sorted(row.note for plan in after for row in plan if row.action == "derive")
+    notes = sorted(str(row.note) for plan in after for row in plan if row.action == "derive")
     assert notes == ["cut 7 -> 1: blocks 12..17 on `features__cut7_read`",
                      "cut 7 -> 4: blocks 12..14 on `features__cut7_read`",
                      "cut 7 -> 7: no blocks (the stored cut itself) on `features__cut7_read`"]
     for recipe, original in zip(rewritten, variants, strict=True):
-        stages = recipe.stages
+        stages: dict[str, Any] = dict(recipe.stages)
         assert stages["features"].input == "features__cut7_read"
         bottom = stages["features__cut7"]
         assert bottom.train_last_blocks == 7 and bottom.input == "target_images"

@@ -68,10 +68,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = tmp_path_factory.mktemp("store")
     # der4b: the derivation in other batches (50, not 64), read straight from the stream (a cache of it
     # would be der4's entry: the batch size is not part of a fingerprint).
-    der4b = {"der4b_ff": {"type": "frozen_forward", "input": "k7_d", "model": "backbone",
-                          "train_last_blocks": 4, "batch_size": 50},
-             "der4b_q": {"type": "quantize", "input": "der4b_ff", "bits": 32, "eval_bits": 32},
-             "der4b_c": {"type": "cache", "input": "der4b_q"}}
+    der4b: dict[str, dict[str, Any]] = {
+        "der4b_ff": {"type": "frozen_forward", "input": "k7_d", "model": "backbone", "train_last_blocks": 4,
+                     "batch_size": 50},
+        "der4b_q": {"type": "quantize", "input": "der4b_ff", "bits": 32, "eval_bits": 32},
+        "der4b_c": {"type": "cache", "input": "der4b_q"},
+    }
     r = recipe(chain("k7", "images", 7), chain("img4", "images", 4), chain("der4", "k7_d", 4), der4b,
                targets=["img4_d", "der4_d", "der4b_ff", "der4b_c"])
     runner = Runner(r, run_context(r, store=store, quiet=True))
@@ -213,3 +215,28 @@ def test_the_run_record_reports_the_derivation(built: dict[str, Any], tmp_path: 
     assert "Derived from stored features" in report
     fp = built["fingerprints"]["k7_d"][:12]
     assert f"- `d1_ff`: cut 7 of `k7_d` (`{fp}`), blocks 12..17: {total} samples" in report
+
+
+@pytest.mark.slow
+def test_on_the_pretrained_quickstart_backbone(tmp_path: Path) -> None:
+    """The same equality on the quickstart's own pretrained backbone (one epoch of pretraining)."""
+    from tests.helpers import ROOT
+
+    quickstart = load_recipe(ROOT / "recipes" / "quickstart.yaml", ["stages.backbone.train.epochs=1"])
+    data = quickstart.full_dict()
+    keep = ("digits", "source_digits", "target_digits", "backbone", "target_images")
+    stages = {name: data["stages"][name] for name in keep}
+    for prefix, source, cut in (("k7", "target_images", 7), ("img4", "target_images", 4),
+                                ("der4", "k7_d", 4)):
+        stages.update(chain(prefix, source, cut))
+    r = load_recipe({**data, "stages": stages, "targets": ["img4_d", "der4_d"]})
+    runner = Runner(r, run_context(r, store=tmp_path, quiet=True))
+    runner.run()
+    try:
+        for split in ("train", "val", "test"):
+            ids, direct = values(runner._outputs["img4_d"], split)
+            derived_ids, derived = values(runner._outputs["der4_d"], split)
+            assert torch.equal(ids, derived_ids)
+            assert (derived - direct).abs().max().item() <= TOLERANCE * direct.abs().max().item()
+    finally:
+        runner.release()
