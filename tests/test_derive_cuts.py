@@ -39,6 +39,7 @@ def test_cut_variants_share_one_decode_and_one_bottom(tmp_path: Path) -> None:
     before = plans(variants, tmp_path)
     assert len(image_forwards(before)) == 3
     rewritten = share_bottom(variants)
+    assert all(a is b for a, b in zip(share_bottom(rewritten), rewritten, strict=True))  # idempotent
     after = plans(rewritten, tmp_path)
     assert len(image_forwards(after)) == 1  # the bottom at cut 7, run once for all three
     assert len(fingerprints(after, "decode")) == 1
