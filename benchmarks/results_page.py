@@ -78,6 +78,17 @@ def anchor(text: str) -> str:
     return "".join(c for c in text.lower().replace(" ", "-") if c.isalnum() or c in "-_")
 
 
+@cache
+def gpu_commands() -> dict[str, str]:
+    """CPU result name -> the command measuring its GPU counterpart (``GPU_COMMANDS`` of the page modules),
+    so the headline says what is still to be measured on a GPU, and how."""
+    found: dict[str, str] = {}
+    for info in sorted(pkgutil.iter_modules(pages.__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{pages.__name__}.{info.name}")
+        found.update(getattr(module, "GPU_COMMANDS", {}))
+    return found
+
+
 def checks_of(data: dict[str, Any]) -> list[Check]:
     """``targets`` and ``bar`` are the issue's bars; ``findings`` are paper claims the benchmark checks."""
     checks = []
@@ -193,6 +204,14 @@ def machine_line(machine: Any) -> str:
     return ", ".join(parts)
 
 
+def gpu_line(data: dict[str, Any]) -> str:
+    """The GPU first, for a result measured on one (the CPU line that follows is its host's)."""
+    gpu = gpu_name(data)
+    device = data.get("device") if isinstance(data.get("device"), dict) else {}
+    cuda = device.get("cuda") or data.get("cuda")
+    return f"GPU {cell(gpu)}" + (f" (CUDA {cell(cuda)})" if cuda else "") + ", host: " if gpu else ""
+
+
 def versions_line(machine: Any) -> str:
     versions = machine.get("versions") if isinstance(machine, dict) else None
     if not isinstance(versions, dict) or not versions:
@@ -278,7 +297,7 @@ def section_markdown(section: Section, base: Path) -> list[str]:
         lines += ["", "</details>", ""]
     commands = commands_of(section)
     lines += [
-        f"- Machine: {machine_line(data.get('machine'))}",
+        f"- Machine: {gpu_line(data)}{machine_line(data.get('machine'))}",
         f"- Versions: {versions_line(data.get('machine'))}",
         f"- Date: {cell(data.get('created', 'not recorded'))}",
         f"- Git commit: {cell(data.get('git_commit') or 'not recorded')}",
@@ -311,19 +330,7 @@ def page(
         "## Headline",
         "",
     ]
-    lines += table(
-        ["result", "key number", "targets", "date"],
-        [
-            [
-                f"[{s.result.key}](#{anchor(s.result.key)})",
-                cell(s.rendered.headline, 300),
-                status(s.checks),
-                cell(str(s.result.data.get("created", DASH))[:10]),
-            ]
-            for s in sections
-        ],
-        ["l", "l", "l", "l"],
-    )
+    lines += headline_table(sections)
     if discussion.strip():
         lines += ["", discussion.strip()]
     lines += [
@@ -353,6 +360,70 @@ def page(
     while lines and lines[-1] == "":
         lines.pop()
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------- the headline
+GPU_SUFFIX = "_cuda"  # benchmarks._device.result_name: a GPU result is its CPU result's name + this
+
+
+def gpu_name(data: dict[str, Any]) -> str | None:
+    """The GPU a result was measured on (``device`` as ``benchmarks._device.device_info`` writes it)."""
+    device = data.get("device")
+    if isinstance(device, dict) and isinstance(device.get("gpu"), str):
+        return device["gpu"]
+    return data["gpu"] if isinstance(data.get("gpu"), str) else None
+
+
+def machine_tag(data: dict[str, Any]) -> str:
+    """A short name of the machine that measured a result, for the headline's cells."""
+    gpu = gpu_name(data)
+    if gpu:
+        return gpu
+    machine = data.get("machine")
+    if not isinstance(machine, dict):
+        return "machine not recorded"
+    cpu = str(machine.get("cpu") or "unknown CPU")
+    cores = machine.get("cpu_count")
+    return f"{cpu}, {cores} cores" if isinstance(cores, int) else cpu
+
+
+def headline_cell(section: Section) -> str:
+    result = section.result
+    return (f"[{result.key}](#{anchor(result.key)}): {cell(section.rendered.headline, 300)} "
+            f"(*{cell(machine_tag(result.data), 80)}*)")
+
+
+def headline_table(sections: list[Section]) -> list[str]:
+    """One row per benchmark: its CPU result and its GPU result side by side, each naming its machine;
+    a GPU result still to be measured shows the command that measures it."""
+    by_key = {s.result.key: s for s in sections}
+    rows = []
+    for section in sections:
+        key = section.result.key
+        if key.endswith(GPU_SUFFIX) and key.removesuffix(GPU_SUFFIX) in by_key:
+            continue  # shown beside its CPU result
+        gpu_run = by_key.get(key + GPU_SUFFIX)
+        if key.endswith(GPU_SUFFIX) or gpu_name(section.result.data):
+            cpu_run, gpu_run = None, section
+        else:
+            cpu_run = section
+        if gpu_run is not None:
+            gpu = headline_cell(gpu_run)
+        elif key in gpu_commands() and not any(k.startswith(key) and k.endswith(GPU_SUFFIX) for k in by_key):
+            gpu = f"not measured yet: `{gpu_commands()[key]}`"
+        else:
+            gpu = DASH
+        checks = [("CPU", cpu_run), ("GPU", gpu_run)]
+        targets = "; ".join(f"{label}: {status(s.checks)}" for label, s in checks if s is not None)
+        dates = sorted(str(s.result.data.get("created", DASH))[:10] for _, s in checks if s is not None)
+        rows.append([
+            f"{key.removesuffix(GPU_SUFFIX)}",
+            headline_cell(cpu_run) if cpu_run is not None else DASH,
+            gpu,
+            targets,
+            cell(dates[-1]),
+        ])
+    return table(["benchmark", "CPU", "GPU", "targets", "date"], rows, ["l", "l", "l", "l", "l"])
 
 
 def remove_stale_plots(plots_dir: Path, keep: set[Path]) -> None:

@@ -482,7 +482,7 @@ def cache_dataset(
             )
         catalog = Catalog(resolve_store(None if store is None else str(store), None, create=False),
                           create=False)
-        fingerprint = find_entry(catalog, entry_or_recipe)
+        fingerprint = find_entry(catalog, entry_or_recipe).fingerprint
     else:
         raise CacheEntryError(
             "expected a fingerprint prefix (as `python -m pipeline cache ls` prints it) or a recipe "

@@ -15,14 +15,11 @@ from typing import Any
 
 from stores.catalog import Catalog, Entry, human_size
 
-from .errors import PipelineError, did_you_mean
+from .data.entry_ref import CacheEntryError, find_entry
+from .errors import PipelineError
 from .storepath import resolve_store
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class EntryRefError(PipelineError, ValueError):
-    """An entry reference matches no entry, or several."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,23 +65,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("--force", action="store_true", help="remove even while another run reads it")
     with_store("pin", "never evict this entry under a budget", entry=True)
     with_store("unpin", "make a pinned entry evictable again", entry=True)
-
-
-def find_entry(catalog: Catalog, ref: str) -> Entry:
-    entries = catalog.entries()
-    hits = [e for e in entries if e.fingerprint.startswith(ref.lower())]
-    if len(hits) == 1:
-        return hits[0]
-    if not hits:
-        names = [e.fingerprint[:12] for e in entries]
-        raise EntryRefError(
-            f"no entry {ref!r} in store {catalog.root}{did_you_mean(ref, names)}; "
-            "`cache ls` lists the entries"
-        )
-    raise EntryRefError(
-        f"entry {ref!r} is ambiguous in store {catalog.root}: it starts "
-        f"{', '.join(e.fingerprint[:16] for e in hits)}; give more characters"
-    )
 
 
 def _when(moment: datetime) -> str:
@@ -292,7 +272,7 @@ def cmd_repair(args: argparse.Namespace, catalog: Catalog) -> int:
     entry = find_entry(catalog, args.entry)
     recipe = args.recipe or (entry.lineage or {}).get("recipe_file")
     if not recipe or not Path(recipe).is_file():
-        raise EntryRefError(
+        raise CacheEntryError(
             f"entry {entry.fingerprint[:12]} was produced by recipe file {recipe!r}, which is not "
             "available; pass --recipe FILE (with the --set overrides that run used)"
         )

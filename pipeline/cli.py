@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     recipe_args(mem)
     mem.add_argument("--json", action="store_true", help="machine-readable output")
+    mem.add_argument(  # choices: pipeline.models.memory.CONVENTIONS, not imported (parsing needs no torch)
+        "--convention", choices=("mask", "map"), default="mask",
+        help="analytic count of step-derivative activations (ReLU, ReLU6): a 1-bit mask (default) or their "
+        "32-bit activation map, as PyTorch saves it; see docs/reference.md",
+    )
     cache_cli.add_parser(sub)
     new = sub.add_parser(
         "new",
@@ -144,6 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "inputs": r.inputs,
                         "action": r.action,
                         "estimate_bytes": r.estimate_bytes,
+                        **({"note": r.note} if r.note else {}),
                     }
                     for r in rows
                 ],
@@ -156,7 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in rows:
         src = ", ".join(f"{k}={v}" for k, v in r.inputs.items()) or "-"
         est = f"  ~{_human(r.estimate_bytes)}" if r.estimate_bytes else ""
-        print(f"  {r.name:<{width}}  {r.type:<14} {r.fingerprint[:12]}  {r.action:<8}{est}  <- {src}")
+        note = f"  ({r.note})" if r.note else ""
+        print(f"  {r.name:<{width}}  {r.type:<14} {r.fingerprint[:12]}  {r.action:<8}{est}  <- {src}{note}")
     todo = sum(r.action.startswith("compute") for r in rows)
     reuse = sum(r.action == "reuse" for r in rows)
     print(f"{len(rows)} stages: {reuse} stored and reused, {todo} to compute")
@@ -179,7 +186,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    text, data = memory_report(recipe, _context(args, recipe, output=None, quiet=True))
+    text, data = memory_report(recipe, _context(args, recipe, output=None, quiet=True),
+                               convention=args.convention)
     print(json.dumps(data, indent=2, default=float) if args.json else text)
     return EXIT_OK
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 
 class PipelineError(Exception):
@@ -63,6 +64,28 @@ class Terminated(KeyboardInterrupt):
 
 class CacheMissWarning(UserWarning):
     """An input could not be fingerprinted, so its output will be recomputed, not reused."""
+
+
+@contextmanager
+def working_on(stage: str) -> Iterator[None]:
+    """Any exception leaving this block names ``stage`` as where the run failed (``stage_of``), unless a
+    stage inside it already did: the innermost stage at work is the one a run record names. A stream
+    stage does its work when a consumer pulls, so an error there is named at that consumer."""
+    try:
+        yield
+    except BaseException as exc:
+        if stage_of(exc) is None:
+            try:
+                exc.failed_stage = stage  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type with __slots__: left unnamed
+                pass
+        raise
+
+
+def stage_of(exc: BaseException) -> str | None:
+    """The stage that was at work when ``exc`` was raised in a run (see ``working_on``), if known."""
+    stage = getattr(exc, "failed_stage", None)
+    return stage if isinstance(stage, str) else None
 
 
 def nearest(name: str, choices: Iterable[str]) -> str | None:

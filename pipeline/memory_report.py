@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import StageError
 from .graph import Graph
 from .methods.finetune import Finetune
+from .models.memory import check_convention
 from .runner import Runner
 
 if TYPE_CHECKING:
@@ -20,15 +21,20 @@ if TYPE_CHECKING:
 
 
 def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None = None,
-                  measure: bool = True) -> tuple[str, dict[str, Any]]:
+                  measure: bool = True, convention: str = "mask") -> tuple[str, dict[str, Any]]:
     """Training-memory footprint of every ``finetune`` stage of ``recipe`` (or of ``stages``).
 
     Resolves the recipe (specs only: no backbone is pretrained, no cache built; weights are
     random because memory does not depend on their values), builds each trainer's top as its
     ``method`` makes it, and meters one training step at the stage's batch size. Returns the
     text ``python -m pipeline memory`` prints and a JSON-able dict ``{"recipe", "stages":
-    {name: footprint}}``.
+    {name: footprint}}``. ``convention`` is the analytic count's (``"mask"`` or ``"map"``; see
+    ``pipeline.models.memory``).
     """
+    try:
+        check_convention(convention)
+    except ValueError as e:
+        raise StageError(f"memory: {e}") from None
     graph = Graph(recipe)  # names first: a wrong name fails before any dataset is indexed
     # Finetune stages are metered for one step; stages trained under a budget (neuroflux, backprop)
     # show their profiled memory lines and what they would train at (``memory_plan``).
@@ -57,7 +63,7 @@ def memory_report(recipe: Recipe, ctx: RunContext, *, stages: list[str] | None =
             text += ["", f"[{name}] {stage.type_name}, budget {plan['budget_mib']:.2f} MiB", plan_text]
             out["stages"][name] = plan
             continue
-        fp = stage.footprint_from_specs(runner.specs, ctx, measure=measure)
+        fp = stage.footprint_from_specs(runner.specs, ctx, measure=measure, convention=convention)
         text += ["", f"[{name}] {fp.label}, input {tuple(fp.input_shape)}", fp.table()]
         out["stages"][name] = fp.as_dict()
     return "\n".join(text), out

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import yaml
 
 from .data.image_folder import SkippedSamplesWarning
+from .errors import stage_of
 from .runner import Runner, StageReport
 from .spec import RESULT
 
@@ -95,24 +95,8 @@ class Failure:
         return {"stage": self.stage, "error": self.error, "message": self.message}
 
 
-def failing_stage(tb: TracebackType | None) -> str | None:
-    """The innermost stage the runner was resolving or producing where the traceback ends.
-
-    A stream stage does its work when a consumer pulls from it, so an error there is reported at
-    the consumer (the cache or trainer that was pulling), the stage that was working in the run.
-    """
-    frames = (Runner.output.__code__, Runner._resolve.__code__)
-    stage = None
-    while tb is not None:
-        if tb.tb_frame.f_code in frames:
-            name = tb.tb_frame.f_locals.get("name")
-            stage = name if isinstance(name, str) else stage
-        tb = tb.tb_next
-    return stage
-
-
 def failure_of(exc: BaseException, *, status: str, message: str | None = None) -> Failure:
-    return Failure(status, failing_stage(exc.__traceback__), type(exc).__name__, message or str(exc))
+    return Failure(status, stage_of(exc), type(exc).__name__, message or str(exc))
 
 
 def _human(n: float) -> str:
@@ -321,6 +305,17 @@ def write_run_outputs(
             f"| {s['name']} | {s['type']} | {s['status']} | `{s['fingerprint'][:12]}` | "
             f"{s['seconds']:.2f} | {_human(s['bytes_written'])} |"
         )
+    derived = [s for s in stages if "derived_from" in s.get("metrics", {})]
+    if derived:
+        lines += ["", "Derived from stored features (only the blocks between the two cuts ran):", ""]
+        for s in derived:
+            m = s["metrics"]
+            source, (a, b) = m["derived_from"], m["derived_from"]["blocks"]
+            rate = f" ({m['samples_per_s']:.0f} samples/s)" if _number(m.get("samples_per_s")) else ""
+            blocks = f"blocks {a}..{b - 1}" if b > a else "no blocks"
+            lines.append(f"- `{s['name']}`: cut {source['train_last_blocks']} of `{source['stream']}` "
+                         f"(`{str(source['fingerprint'])[:12]}`), {blocks}: {m['samples']} samples in "
+                         f"{m['seconds']:.2f} s{rate}")
     if results:
         lines += [
             "",

@@ -25,7 +25,7 @@ from stores.catalog import Entry, Staging
 from stores.lock import LockHolder
 
 from .context import RunContext
-from .errors import DataError, MissingPathError, ModelError, StageError
+from .errors import DataError, MissingPathError, ModelError, StageError, working_on
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
 from .fusion import apply_fusion, plan_fusions
 from .graph import Graph
@@ -59,6 +59,7 @@ class PlanRow:
     action: str  # "reuse" | "compute" | "compute (not stored)" | "stream"
     estimate_bytes: int | None
     spec: Spec
+    note: str | None = None  # the stage's own line for the plan (Stage.plan_note)
 
 
 class Runner:
@@ -86,49 +87,53 @@ class Runner:
     # ----------------------------------------------------------------- before work
     def _resolve(self) -> None:
         for name in self.graph.order:
-            if name not in self.graph.needed:
-                continue
-            stage = self.recipe.stages[name]
-            refs = self.graph.edges[name]
-            in_specs = {field: self.specs[parent] for field, parent in refs.items()}
-            seconds = 0.0
-            try:
-                if stage.kind == DATASET:
-                    # Datasets are lazy (indices, labels, content identity), so they are
-                    # materialized here: splits need labels, plans need sizes.
-                    start = time.perf_counter()
-                    inputs = {f: self._outputs[p] for f, p in refs.items()}
-                    value = stage.run(self.ctx, inputs, StageCall(name, inputs=in_specs))
-                    self._outputs[name] = value
-                    self.specs[name] = value.spec
-                    seconds = time.perf_counter() - start
-                else:
-                    self.specs[name] = stage.resolve(in_specs, self.ctx)
-            except (StageError, DataError, ModelError, MissingPathError) as exc:
-                raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
-            parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
-            try:
-                identity = (
-                    self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
-                )
-                fp = stage_fingerprint(stage, parents, identity)
-            except UnhashableInput as exc:
-                fp = uncacheable(name, str(exc))
-            self.fingerprints[name] = fp
-            self.ctx.fingerprints[name] = fp
-            lineage = Lineage(
-                recipe=self.recipe.name,
-                recipe_file=self.recipe.source,
-                stage=name,
-                type=f"{stage.type_name}@{stage.version}",
-                config=stage.fingerprint_config(),
-                inputs=parents,
-                fingerprint=fp,
-            )
-            self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage)
-            if stage.kind == DATASET:
-                self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
+            if name in self.graph.needed:
+                with working_on(name):
+                    self._resolve_stage(name)
         self.ctx.fingerprints.update(self.fingerprints)
+
+    def _resolve_stage(self, name: str) -> None:
+        """Resolve ``name``'s spec (materializing a dataset), fingerprint and lineage from its parents'."""
+        stage = self.recipe.stages[name]
+        refs = self.graph.edges[name]
+        in_specs = {field: self.specs[parent] for field, parent in refs.items()}
+        seconds = 0.0
+        try:
+            if stage.kind == DATASET:
+                # Datasets are lazy (indices, labels, content identity), so they are
+                # materialized here: splits need labels, plans need sizes.
+                start = time.perf_counter()
+                inputs = {f: self._outputs[p] for f, p in refs.items()}
+                value = stage.run(self.ctx, inputs, StageCall(name, inputs=in_specs))
+                self._outputs[name] = value
+                self.specs[name] = value.spec
+                seconds = time.perf_counter() - start
+            else:
+                self.specs[name] = stage.resolve(in_specs, self.ctx)
+        except (StageError, DataError, ModelError, MissingPathError) as exc:
+            raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
+        parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
+        try:
+            identity = (
+                self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
+            )
+            fp = stage_fingerprint(stage, parents, identity)
+        except UnhashableInput as exc:
+            fp = uncacheable(name, str(exc))
+        self.fingerprints[name] = fp
+        self.ctx.fingerprints[name] = fp
+        lineage = Lineage(
+            recipe=self.recipe.name,
+            recipe_file=self.recipe.source,
+            stage=name,
+            type=f"{stage.type_name}@{stage.version}",
+            config=stage.fingerprint_config(),
+            inputs=parents,
+            fingerprint=fp,
+        )
+        self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage)
+        if stage.kind == DATASET:
+            self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
 
     def plan(self) -> list[PlanRow]:
         rows: list[PlanRow] = []
@@ -146,6 +151,8 @@ class Runner:
                 action = "index"
             else:
                 action = "stream" if stage.kind == STREAM else "compute"
+            call = self.calls[name]
+            action = stage.plan_action(call) or action
             rows.append(
                 PlanRow(
                     name,
@@ -156,6 +163,7 @@ class Runner:
                     action,
                     stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
                     self.specs[name],
+                    stage.plan_note(call),
                 )
             )
         return rows
@@ -164,6 +172,11 @@ class Runner:
     def output(self, name: str) -> Any:
         if name in self._outputs:
             return self._outputs[name]
+        with working_on(name):
+            return self._produce(name)
+
+    def _produce(self, name: str) -> Any:
+        """Load ``name``'s stored value, or compute it (its inputs first) and store it when cacheable."""
         stage = self.recipe.stages[name]
         call = self.calls[name]
         fp = call.fingerprint
@@ -262,6 +275,8 @@ class Runner:
                 report = self.reports[name]
                 report.seconds = value.stats.seconds
                 report.status = "computed" if value.stats.batches else "reused"
+                if value.stats.batches:
+                    report.metrics = value.report()
             elif name not in self.reports:
                 self.reports[name] = StageReport(
                     name, stage.type_name, stage.kind, self.fingerprints[name], "reused"

@@ -130,6 +130,14 @@ class Stage(BaseModel):
         """Open a committed entry as this stage's output (inputs are not computed on a hit)."""
         raise NotImplementedError
 
+    def plan_action(self, call: StageCall) -> str | None:
+        """The action a plan shows for this stage when it is not the runner's default (None)."""
+        return None
+
+    def plan_note(self, call: StageCall) -> str | None:
+        """One line a plan shows beside the stage (e.g. which cut a derived forward goes from and to)."""
+        return None
+
     def estimate_bytes(self, spec: Spec) -> int | None:
         """Expected size of the stored output, for budgets and plans; None if unknown."""
         return None

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from .ops.batching import Batch, batch_size_of
 from .spec import Spec
@@ -53,6 +54,10 @@ class Stream:
 
     def close(self) -> None:
         """Stop work this stream started ahead of being asked (a run calls it when done with it)."""
+
+    def report(self) -> dict[str, Any]:
+        """What the run's stage report records about this stream beyond its time (empty: nothing)."""
+        return {}
 
 
 def samples_from(stream: Stream, split: str, start: int, batch_period: int = 1) -> Iterator[Batch]:

@@ -95,7 +95,7 @@ def test_pin_unpin_rm_gc_and_bad_references(built: dict, capsys: pytest.CaptureF
     assert not Catalog(store).lookup(fp).pinned
     assert main(["cache", "gc", "--store", store]) == 0
     assert main(["cache", "rm", "ffffffffff", "--store", store]) == 2
-    assert "no entry 'ffffffffff'" in capsys.readouterr().err
+    assert "no cache entry 'ffffffffff'" in capsys.readouterr().err
     assert main(["cache", "ls", "--store", str(built["base"] / "missing")]) == 2
 
 

@@ -304,3 +304,20 @@ def test_memory_command_reports_every_trainer(
     assert run_cli("memory", QUICKSTART, "--store", str(quick_runs["store"]), "--json") == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["stages"]) >= {"two_stage", "baseline"}
+    assert {s["convention"] for s in data["stages"].values() if "convention" in s} == {"mask"}
+    argv = ("memory", QUICKSTART, "--store", str(quick_runs["store"]), "--json", "--convention", "map")
+    assert run_cli(*argv) == 0
+    as_maps = json.loads(capsys.readouterr().out)["stages"]["two_stage"]
+    assert as_maps["convention"] == "map"
+    # the quickstart's trained blocks have ReLU6s: their maps weigh more than their masks
+    assert as_maps["activation_bytes"] > data["stages"]["two_stage"]["activation_bytes"]
+
+
+def test_memory_command_names_the_valid_conventions(capsys: pytest.CaptureFixture) -> None:
+    from pipeline.models.memory import CONVENTIONS
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("memory", QUICKSTART, "--convention", "paper")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'paper'" in err and all(f"'{c}'" in err for c in CONVENTIONS)

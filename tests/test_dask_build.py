@@ -135,6 +135,10 @@ def test_dask_build_equals_local_build(cluster: Any, local_build: tuple[Path, st
     assert extra["executor"]["type"] == "dask" and extra["executor"]["partitions"] > 10
     assert extra["executor"]["partitions_computed"] == extra["executor"]["partitions"]
     assert extra["executor"]["lead_in_samples"] > 0  # partitions starting mid-batch formed local batches
+    # Where the chunks were computed: each distinct worker host and device, as a local build records it.
+    workers = extra["built_on"]["workers"]
+    assert extra["built_on"]["executor"] == "dask" and workers
+    assert all(w["device"] == "cpu" and w["worker"] and w["torch"] for w in workers)
     # The client resolved the input stream but never pulled it: no frozen forward ran here.
     assert runner._outputs["features"].stats.batches == 0
     assert runner._outputs["images"].stats.batches == 0

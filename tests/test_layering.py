@@ -7,7 +7,7 @@ An arrow means "may import"; nothing imports a layer above its own:
                 pipeline.api (the Python API: what the commands do, as functions),
                 pipeline.deploy.{commands,export,predict,evaluate} (the export, predict and evaluate
                 commands' work), pipeline.choose.* (the choose command: a search over runs)
-    4 config    pipeline.recipe, pipeline.registry
+    4 config    pipeline.recipe, pipeline.registry, pipeline.derive_cuts (a recipe rewrite for sweeps)
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
                 run context; a Dask worker re-creates its recipe through the client's Recipe class)
@@ -50,7 +50,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
          "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
          "pipeline.deploy.evaluate", "pipeline.choose")),
-    (4, ("pipeline.recipe", "pipeline.registry")),
+    (4, ("pipeline.recipe", "pipeline.registry", "pipeline.derive_cuts")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),
     (2, ("pipeline.stages", "pipeline.methods", "pipeline.deploy")),

@@ -236,3 +236,47 @@ def test_a_record_whose_script_was_removed_is_not_offered_as_a_rerun(built: tupl
     section = text.split("\n## openmp_spin\n", 1)[1].split("\n## ", 1)[0]
     assert "Switch removed because of this result" in section
     assert "`python -m benchmarks.bench_openmp_spin --batches 8 --repeats 6`" in section  # provenance stays
+
+
+def test_gpu_results_sit_beside_their_cpu_result_each_naming_its_machine(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(REPO_RESULTS / "codec.json", results / "codec.json")
+    shutil.copy(REPO_RESULTS / "neuroflux.json", results / "neuroflux.json")
+    gpu = {"name": "codec_cuda", "created": "2026-11-26T00:00:00+00:00", "machine": {"cpu": "host CPU"},
+           "headline": "quantize+pack ≤ 1.00 µs per map",
+           "device": {"device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3", "cuda": "12.8"}}
+    (results / "codec_cuda.json").write_text(json.dumps(gpu))
+    output = tmp_path / "README.md"
+    assert run(results, output) == 0
+    text = output.read_text()
+    headline = text.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    codec_row = next(line for line in headline.splitlines() if line.startswith("| codec |"))
+    cpu_cell, gpu_cell = codec_row.split(" | ")[1:3]
+    assert "[codec](#codec)" in cpu_cell and "2 cores" in cpu_cell
+    assert "[codec_cuda](#codec_cuda)" in gpu_cell and "NVIDIA H100 80GB HBM3" in gpu_cell
+    # one row, two columns
+    assert not any(line.startswith("| codec_cuda |") for line in headline.splitlines())
+    # A benchmark whose GPU run is still missing says so, with the command that measures it.
+    neuroflux_row = next(line for line in headline.splitlines() if line.startswith("| neuroflux |"))
+    assert "not measured yet: `python -m benchmarks.bench_neuroflux --device cuda" in neuroflux_row
+    section = text.split("\n## codec_cuda\n", 1)[1].split("\n## ", 1)[0]
+    assert "- Machine: GPU NVIDIA H100 80GB HBM3 (CUDA 12.8), host: host CPU" in section
+
+
+def test_memory_blocks_show_the_map_convention_only_where_the_result_has_it(tmp_path: Path) -> None:
+    record = json.loads((REPO_RESULTS / "memory.json").read_text())
+    for b in record["blocks"]:  # as bench_memory writes them since the meter's map convention
+        b.update(activation_bytes_map=2 * b["activation_bytes"], measured_over_map=0.5,
+                 reduction_vs_vanilla_map=0.25)
+    for with_map in (False, True):
+        results = tmp_path / f"map_{with_map}"
+        results.mkdir()
+        data = record if with_map else json.loads((REPO_RESULTS / "memory.json").read_text())
+        (results / "memory.json").write_text(json.dumps(data))
+        assert run(results, results / "README.md") == 0
+        page = (results / "README.md").read_text()
+        assert ("| analytic (map) |" in page) is with_map and ("reduction (map)" in page) is with_map
+        if with_map:
+            first = record["blocks"][0]
+            assert f"| {nbytes(first['activation_bytes_map'])} |" in page and "| 25% |" in page

@@ -20,6 +20,11 @@ from .common import (
 )
 
 RESULTS = ("cache_reuse_epoch_time", "cache_reuse_epoch_time_malloc_defaults")
+# Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
+GPU_COMMANDS = {
+    "cache_reuse_epoch_time": "python -m benchmarks.bench_cache_reuse --device cuda"
+    " --samples 512 --epochs 3 --batches 32 128 --cuts 1 4 7 --compile"
+}
 
 
 def render(result: Result, results_dir: Path) -> Rendered:

@@ -68,33 +68,33 @@ def render(result: Result, results_dir: Path) -> Rendered:
     blocks = data.get("blocks")
     if list_of_records(blocks):
         body += [f"**Blocks** ({cell(settings.get('blocks', ''), 200)}):", ""]
-        body += table(
-            [
-                "block",
-                "expansion",
-                "method",
-                "activations analytic",
+        # results written before the meter's map convention have no map columns
+        maps = all("activation_bytes_map" in b for b in blocks)
+        header = ["block", "expansion", "method", "activations analytic", "measured", "measured / analytic"]
+        if maps:
+            header[3:6] = [
+                "activations analytic (mask)",
+                "analytic (map)",
                 "measured",
-                "measured / analytic",
-                "parameters",
-                "step ms",
-                "reduction vs vanilla",
-            ],
-            [
-                [
-                    cell(b["block"]),
-                    num(b.get("expansion")),
-                    cell(b["method"]),
-                    nbytes(b["activation_bytes"]),
-                    nbytes(b.get("measured_bytes")),
-                    times(b.get("measured_over_analytic")),
-                    num(b.get("parameters")),
-                    num(b.get("step_ms")),
-                    pct(b.get("reduction_vs_vanilla")),
-                ]
-                for b in blocks
-            ],
-        )
+                "measured / mask",
+                "measured / map",
+            ]
+        header += ["parameters", "step ms", "reduction vs vanilla"] + (["reduction (map)"] if maps else [])
+        rows = []
+        for b in blocks:
+            row = [
+                cell(b["block"]),
+                num(b.get("expansion")),
+                cell(b["method"]),
+                nbytes(b["activation_bytes"]),
+            ]
+            row += [nbytes(b["activation_bytes_map"])] if maps else []
+            row += [nbytes(b.get("measured_bytes")), times(b.get("measured_over_analytic"))]
+            row += [times(b["measured_over_map"])] if maps else []
+            row += [num(b.get("parameters")), num(b.get("step_ms")), pct(b.get("reduction_vs_vanilla"))]
+            row += [pct(b["reduction_vs_vanilla_map"])] if maps else []
+            rows.append(row)
+        body += table(header, rows)
         fig = new_figure(10, 4.4)
         ax = fig.add_subplot()
         labels = [
@@ -103,14 +103,12 @@ def render(result: Result, results_dir: Path) -> Rendered:
             else f"{b['block']}\n{b['method']}"
             for b in blocks
         ]
-        grouped_bars(
-            ax,
-            labels,
-            [
-                ("analytic", [b["activation_bytes"] / 2**20 for b in blocks]),
-                ("measured", [(b.get("measured_bytes") or 0) / 2**20 for b in blocks]),
-            ],
-        )
+        series = [
+            ("analytic (mask)" if maps else "analytic", [b["activation_bytes"] / 2**20 for b in blocks])
+        ]
+        series += [("analytic (map)", [b["activation_bytes_map"] / 2**20 for b in blocks])] if maps else []
+        series += [("measured", [(b.get("measured_bytes") or 0) / 2**20 for b in blocks])]
+        grouped_bars(ax, labels, series)
         ax.tick_params(axis="x", labelsize=7, rotation=90)
         # The rotated labels take the space below the axes: keep the legend inside, where bars are low.
         ax.legend(fontsize=8, loc="upper left")

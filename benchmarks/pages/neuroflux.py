@@ -23,6 +23,8 @@ from .common import (
 )
 
 RESULTS = ("neuroflux",)
+# Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
+GPU_COMMANDS = {"neuroflux": "python -m benchmarks.bench_neuroflux --device cuda --threads 16"}
 
 
 def _nf_batches(r: dict[str, Any]) -> str:

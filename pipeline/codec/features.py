@@ -63,6 +63,9 @@ def coded_spec(data: Spec, bits_for: Callable[[str], int], bits: int, k: float, 
             fields.update(quantized_fields(field.shape, split_bits))
         splits[name] = SplitSpec(s.num_samples, fields)
     feature_shape = next(iter(data.splits.values())).fields["x"].shape
+    # A stream coded again (an n-bit cache made from a dequantized float one) says how it is coded now.
+    meta = {key: value for key, value in data.meta.items() if key != "coded_bits"}
+    data = Spec(data.kind, data.num_classes, data.splits, meta)
     return data.with_quantization(splits, Quantization(bits, k, feature_shape))
 
 
@@ -72,12 +75,16 @@ def decoded_spec(data: Spec) -> Spec:
     if q is None:
         raise StageError("expected a quantized feature stream (from a quantize stage), "
                          f"found a stream with fields {sorted(next(iter(data.splits.values())).fields)}")
-    splits = {}
+    splits, coded_bits = {}, {}
     for name, s in data.splits.items():
         fields = {k: v for k, v in s.fields.items() if k not in ("codes", "lo", "scale", "x")}
         fields["x"] = FieldSpec(q.feature_shape, "float32")
         splits[name] = SplitSpec(s.num_samples, fields)
-    return data.as_stream(splits)
+        x = s.fields.get("x")
+        coded_bits[name] = q.bits if x is None else 8 * FieldSpec((), x.dtype).nbytes()
+    # Which splits were rounded on the way (a derived cut refuses lossy sources): the float32 maps
+    # made here no longer say so.
+    return data.as_stream(splits, coded_bits=coded_bits)
 
 
 def encoded(parent: Stream, spec: Spec, bits_for: Callable[[str], int], k: float) -> MapStream:

@@ -44,6 +44,7 @@ from ..ops.batching import Batch, rechunk
 from ..ops.cache_read import StoredStream
 from ..ops.prefetch import prefetch
 from ..ops.shuffle import window_shuffle
+from .entry_ref import CacheEntryError, find_entry
 
 if TYPE_CHECKING:
     from stores.leases import EntryUse
@@ -66,10 +67,6 @@ __all__ = [
 _DECODE_BLOCK = 256
 
 
-class CacheEntryError(PipelineError, ValueError):
-    """A cache entry cannot be used as asked: no such entry, several match, not built yet, wrong split."""
-
-
 class DamagedEntryError(PipelineError, OSError):
     """A stored entry's files or chunks are not what its manifest and checksums say."""
 
@@ -89,46 +86,6 @@ def _fix_hint(fingerprint: str) -> str:
     return (
         f"`python -m pipeline cache verify {short}` lists every problem; `python -m pipeline cache repair "
         f"{short}` recomputes the damaged chunks, or `cache rm {short}` and a rerun of the recipe rebuilds it"
-    )
-
-
-def find_entry(catalog: Catalog, ref: str) -> str:
-    """The full fingerprint of the one complete entry whose fingerprint starts with ``ref``.
-
-    An entry whose build has not finished (still running, or interrupted: it is in the store's
-    staging area, or has no valid manifest) is named as such, with how to finish it.
-    """
-    prefix = ref.strip().lower()
-    if not prefix or not all(c in "0123456789abcdef" for c in prefix):
-        raise CacheEntryError(
-            f"cache entry {ref!r}: expected a fingerprint or a prefix of one (hex digits, as "
-            "`python -m pipeline cache ls` prints them)"
-        )
-    complete = [e.fingerprint for e in catalog.entries()]
-    hits = [fp for fp in complete if fp.startswith(prefix)]
-    if len(hits) == 1:
-        return hits[0]
-    if len(hits) > 1:
-        raise CacheEntryError(
-            f"cache entry {ref!r} is ambiguous in store {catalog.root}: it starts "
-            f"{', '.join(fp[:16] for fp in hits)}; give more characters"
-        )
-    unfinished = sorted(
-        child.name
-        for where in (catalog.staging_dir, catalog.entries_dir)
-        for child in where.iterdir()
-        if FINGERPRINT.fullmatch(child.name) and child.name.startswith(prefix) and child.name not in complete
-    )
-    if unfinished:
-        raise CacheEntryError(
-            f"cache entry {unfinished[0][:12]} in store {catalog.root} is incomplete: its build is still "
-            "running or was interrupted (no manifest has been committed); run its recipe again to finish it "
-            "(an interrupted cache build resumes from its verified chunks)"
-        )
-    hint = did_you_mean(prefix, [fp[:12] for fp in complete])
-    raise CacheEntryError(
-        f"no cache entry {ref!r} in store {catalog.root}{hint}; "
-        "`python -m pipeline cache ls` lists the entries"
     )
 
 

@@ -211,6 +211,7 @@ def build_on_dask(
         "worker_startup_s": 0.0,  # the longest a worker took to re-create the upstream graph
         "task_s": 0.0,  # summed over partitions: worker time inside tasks (wall x threads - this = overhead)
     }
+    built_on: dict[str, dict[str, Any]] = {}  # where the partitions computed here were computed, distinct
     started = time.perf_counter()
     with dask_client(executor, log) as client:
         nthreads = client.nthreads()
@@ -266,6 +267,8 @@ def build_on_dask(
                             f"warning: {KEEP_HEAP}=1 could not be applied on worker {result['worker']} (it "
                             "needs Linux with glibc there); that worker runs with its default allocator"
                         )
+                    if "built_on" in result:
+                        built_on.setdefault(canonical_json(result["built_on"]), result["built_on"])
                     stats["partitions_computed"] += result["computed_samples"] > 0
                     stats["worker_startup_s"] = max(stats["worker_startup_s"], result["upstream_seconds"])
                     bar.update(part.num_samples)
@@ -292,6 +295,9 @@ def build_on_dask(
         "level": layout.level,
         "format": "zarr",
         "resumed_samples": kept_samples,
+        # Lineage for people, never identity: which worker hosts and devices computed the chunks.
+        **({"built_on": {"executor": "dask", "workers": [built_on[k] for k in sorted(built_on)]}}
+           if built_on else {}),
         "executor": {
             "type": "dask",
             "address": executor.address,

@@ -28,6 +28,7 @@ from stores.errors import StoreNotFoundError
 from stores.zarr_format import META
 from stores.zarr_part import ZarrPartWriter, kept_chunks
 
+from ..device import device_description
 from ..fingerprint import canonical_json, is_cacheable
 from ..heap import heap_kept
 from ..spec import spec_to_json
@@ -77,6 +78,7 @@ class _Upstream:
     key: str
     runner: Any
     stream: Stream
+    built_on: dict[str, Any]  # this worker's device, for the entry's manifest (device_description)
 
 
 # Per worker process: the last job's upstream graph (frozen model loaded, weights read once).
@@ -138,19 +140,19 @@ def _open_upstream(job: BuildJob) -> _Upstream:
             f"Dask worker {where()} resolves stage {job.input!r} to another stream spec than the client "
             f"(worker: {found[:300]}; client: {job.spec[:300]})"
         )
-    return _Upstream(job.key, runner, stream)
+    return _Upstream(job.key, runner, stream, device_description(ctx.torch_device))
 
 
-def upstream(job: BuildJob) -> tuple[Stream, float]:
-    """The job's input stream in this process, built on first use; (stream, seconds spent building it)."""
+def upstream(job: BuildJob) -> tuple[_Upstream, float]:
+    """The job's upstream graph in this process, built on first use; (it, seconds spent building it)."""
     with _slot_lock:  # threads of one worker wait for one build instead of loading the model twice
         if _slot and _slot[0].key == job.key:
-            return _slot[0].stream, 0.0
+            return _slot[0], 0.0
         while _slot:
             _slot.pop().runner.release()
         start = time.perf_counter()
         _slot.append(_open_upstream(job))
-        return _slot[0].stream, time.perf_counter() - start
+        return _slot[0], time.perf_counter() - start
 
 
 def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
@@ -183,7 +185,9 @@ def build_partition(job: BuildJob, part: Partition) -> dict[str, Any]:
     if kept == part.num_chunks:
         result["seconds"] = time.perf_counter() - start
         return result
-    stream, result["upstream_seconds"] = upstream(job)
+    graph, result["upstream_seconds"] = upstream(job)
+    stream = graph.stream
+    result["built_on"] = {**graph.built_on, "worker": socket.gethostname()}
     first = (part.first_chunk + kept) * part.chunk_samples
     # Batched as a local build batches them (same bits): lead-in samples are computed and dropped.
     result["lead_in_samples"] = first % job.batch_period

@@ -150,16 +150,18 @@ class Finetune(Stage):
         return {"mode": self.mode, "trained_on_features_from": f"{cut.precision} bottom" if cut else "images"}
 
     def _footprint(self, bottom: torch.nn.Module, top: TopNet, adapted: Adapted, num_classes: int,
-                   top_input_shape: tuple[int, int, int], measure: bool) -> Footprint:
+                   top_input_shape: tuple[int, int, int], measure: bool,
+                   convention: str = "mask") -> Footprint:
         frozen = 0
         if self.mode == "single_stage":  # the frozen bottom's weights sit in memory too
             frozen = sum(t.numel() * t.element_size() for t in [*bottom.parameters(), *bottom.buffers()])
         return memory.footprint(top, (self.batch_size, *top_input_shape), num_classes=num_classes,
                          optimizer=self.train.optimizer, momentum=self.train.momentum, measure=measure,
-                         frozen_bytes=frozen, label=f"{adapted.method}, {self.mode}", seed=self.seed)
+                         frozen_bytes=frozen, label=f"{adapted.method}, {self.mode}", seed=self.seed,
+                         convention=convention)
 
     def footprint_from_specs(self, specs: dict[str, Spec], ctx: RunContext, *,
-                             measure: bool = True) -> Footprint:
+                             measure: bool = True, convention: str = "mask") -> Footprint:
         """The training-memory footprint of this trainer from resolved specs (random weights: memory
         does not depend on their values). Used by ``pipeline.memory_report``."""
         refs = self.input_refs()
@@ -170,7 +172,7 @@ class Finetune(Stage):
         shape = self._top_input_shape(inputs, net, n)
         bottom, top, adapted = self.prepare(net, n, data.num_classes, shape)
         top.to(ctx.torch_device)  # metered where it trains: on CUDA the allocator's peak is read too
-        fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure)
+        fp = self._footprint(bottom, top, adapted, data.num_classes, shape, measure, convention)
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp
 

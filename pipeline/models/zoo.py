@@ -227,6 +227,16 @@ def split_at(net: BlockNet, train_last_blocks: int) -> tuple[nn.Sequential, TopN
     return bottom, top
 
 
+def blocks_between(net: BlockNet, stored: int, train_last_blocks: int) -> nn.Sequential:
+    """Blocks ``[n-stored, n-train_last_blocks)``: what turns features at the cut ``stored`` into features
+    at the higher cut ``train_last_blocks`` (empty when the two are equal); shares ``net``'s modules."""
+    low, high = _check_cut(net, stored), _check_cut(net, train_last_blocks)
+    if high < low:
+        raise ModelError(f"train_last_blocks={train_last_blocks} is below the stored cut train_last_blocks="
+                         f"{stored}: blocks already applied cannot be undone")
+    return nn.Sequential(*net.blocks[low:high])
+
+
 def feature_shape(net: BlockNet, train_last_blocks: int, input_size: int) -> tuple[int, int, int]:
     """(C, H, W) of the cut for square ``input_size`` images, from a meta-device dry run (no compute)."""
     bottom, _ = split_at(net, train_last_blocks)

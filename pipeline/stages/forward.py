@@ -77,7 +77,10 @@ class ForwardStream(Stream):
         batches = self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
         if self.batch_size:
             batches = rechunk(batches, self.batch_size)
-        batches = to_device(batches, self.device, ("x",), depth=self.feed_depth)
+        yield from self.forward_batches(to_device(batches, self.device, ("x",), depth=self.feed_depth), split)
+
+    def forward_batches(self, batches: Iterator[Batch], split: str) -> Iterator[Batch]:
+        """Each batch's ``x`` through the bottom, timed into ``stats``."""
         dtype = getattr(torch, self.autocast) if self.autocast else None
         for batch in batches:
             t0 = time.perf_counter()
@@ -120,6 +123,9 @@ class FrozenForward(Stage):
         "int8 (CPU kernels)")
     calibration_batches: int = Field(8, ge=1, description="int8: batches observed to set activation ranges")
     calibration_split: str = Field("train", description="int8: split the calibration batches come from")
+    lossy_source: bool = Field(
+        False, description="input from a cache (a stream with a cut): accept features stored below 32 bits; "
+        "the derived cut then is not the cache the images give, and its lineage says so")
 
     def fingerprint_config(self) -> dict[str, Any]:
         """Calibration settings matter only to int8: an fp32/bf16 bottom ignores them, and so does its key."""
@@ -141,6 +147,14 @@ class FrozenForward(Stage):
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         data, model = inputs["input"], inputs["model"]
         check_cut(self.train_last_blocks, model)
+        self._check_device(ctx)
+        if data.cut is not None:  # features at a lower cut: run only the blocks between (derived_cut)
+            from .derived_cut import derived_spec
+
+            return derived_spec(self, data, model, ctx)
+        if self.lossy_source:
+            raise StageError(f"lossy_source applies to a feature stream input (from a cache); `{self.input}` "
+                             "holds images: remove lossy_source")
         shapes = {name: s.fields.get("x") for name, s in data.splits.items()}
         for split, field in shapes.items():
             if field is None or len(field.shape) != 3:
@@ -153,7 +167,6 @@ class FrozenForward(Stage):
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
-        self._check_device(ctx)
         if self.precision == "int8" and self.calibration_split not in data.splits:
             raise StageError(f"calibration_split {self.calibration_split!r} is not a split of "
                              f"`{self.input}` (found {sorted(data.splits)})")
@@ -171,9 +184,22 @@ class FrozenForward(Stage):
             raise StageError(f"precision: fp16 is CUDA autocast; run.device is {ctx.device} "
                              "(on a CPU use precision: bf16 or fp32)")
 
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> ForwardStream:
+    def plan_note(self, call: StageCall) -> str | None:
+        if "derived_from" not in call.spec.meta or call.inputs["input"].cut is None:
+            return None
+        from .derived_cut import plan_note
+
+        return plan_note(call.spec)
+
+    def plan_action(self, call: StageCall) -> str | None:
+        return "derive" if self.plan_note(call) is not None else None
+
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Stream:
         model: ModelValue = inputs["model"]
         spec = call.spec
+        source = call.inputs["input"].cut
+        if source is not None:
+            return self._derived(ctx, inputs["input"], model, call, source.train_last_blocks)
         bottom: torch.nn.Module = zoo.split_at(model.build(), self.train_last_blocks)[0]
         for p in bottom.parameters():
             p.requires_grad_(False)
@@ -187,6 +213,20 @@ class FrozenForward(Stage):
             bottom = fold_batch_norms(bottom)
         return ForwardStream(inputs["input"], bottom.to(ctx.torch_device), spec, self.batch_size,
                              AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
+
+    def _derived(self, ctx: RunContext, stream: Stream, model: ModelValue, call: StageCall,
+                 stored: int) -> Stream:
+        """The blocks between the stored cut and this one, over the stored features (resolve checked them)."""
+        from .derived_cut import DERIVE_BATCH, DerivedForwardStream
+
+        blocks = zoo.blocks_between(model.build(), stored, self.train_last_blocks)
+        for p in blocks.parameters():
+            p.requires_grad_(False)
+        middle = fold_batch_norms(blocks.eval())
+        forward = ForwardStream(stream, middle.to(ctx.torch_device), call.spec, None,
+                                AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
+        return DerivedForwardStream(forward, self.batch_size or DERIVE_BATCH,
+                                    dict(call.spec.meta["derived_from"]))
 
     def _int8(self, ctx: RunContext, stream: Stream, bottom: torch.nn.Module,
               name: str) -> tuple[torch.nn.Module, str]:

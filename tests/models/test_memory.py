@@ -138,7 +138,12 @@ def test_memory_report_for_a_recipe(tmp_path: Path) -> None:
     entries = tmp_path / "store" / "entries"
     assert not entries.exists() or not any(entries.iterdir())  # nothing was built
     only, _ = memory_report(recipe, ctx, stages=["mobiletl"], measure=False)
-    assert "[mobiletl]" in only and "[vanilla]" not in only
+    assert "[mobiletl]" in only and "[vanilla]" not in only and "(mask convention)" in only
+    _, maps = memory_report(recipe, ctx, stages=["vanilla"], measure=False, convention="map")
+    assert maps["stages"]["vanilla"]["convention"] == "map"
+    assert maps["stages"]["vanilla"]["activation_bytes"] > vanilla["activation_bytes"]  # its ReLU6s as maps
+    with pytest.raises(StageError, match="unknown memory convention 'paper'; expected one of mask, map"):
+        memory_report(recipe, ctx, convention="paper")
     with pytest.raises(StageError, match="not trainer stages"):
         memory_report(recipe, ctx, stages=["backbone"])
     bare = recipe_from_dict({"name": "b", "stages": {"d": {"type": "digits"}}})
@@ -151,3 +156,44 @@ def test_device_step_peak_reads_only_a_cuda_allocator() -> None:
 
     with pytest.raises(ValueError, match="reads the CUDA allocator; cpu has none"):
         device_step_peak(conv_bn_relu_conv(), (2, 3, 5, 5), "cpu")
+
+
+# The MobileTL paper's block setting: input and output (8, 96, 7, 7), expansion 1, 5x5 depthwise.
+MAP = 8 * 96 * 7 * 7 * 4  # one fp32 activation map of the block's shape, in bytes
+MASK = 8 * 96 * 7 * 7 // 8  # its 1-bit mask
+SE_SMALL = {"mask": 3072 + 24 + 768 + 3072, "map": 3072 + 768 + 768 + 3072}  # fc1, ReLU, fc2, hsigmoid inputs
+
+
+@pytest.mark.parametrize("convention", ["mask", "map"])
+def test_paper_blocks_in_both_conventions(convention: str) -> None:
+    from benchmarks.bench_memory import conv_block, v2_block, v3_block
+
+    relu6 = MASK if convention == "mask" else MAP
+    expected = {
+        "conv": 2 * MAP + relu6,  # conv, BN, ReLU6
+        "v2": 4 * MAP + relu6,  # depthwise conv, BN, ReLU6, projection conv, BN (no expansion at t=1)
+        "v3": 6 * MAP + SE_SMALL[convention],  # dw conv, BN, Hard-Swish, SE input, projection conv, BN
+    }
+    for name, block in (("conv", conv_block()), ("v2", v2_block(1)), ("v3", v3_block(1))):
+        fp = footprint(block, (8, 96, 7, 7), input_requires_grad=True, convention=convention)
+        assert fp.convention == convention and fp.as_dict()["convention"] == convention
+        assert fp.activation_bytes == expected[name], name
+        # PyTorch keeps ReLU6's input as a float map: "map" is within 0.5% of the measured bytes.
+        if convention == "map":
+            assert fp.activation_bytes <= fp.measured_bytes <= 1.005 * fp.activation_bytes, name
+
+
+def test_conventions_agree_on_mobiletl_masks_and_default_is_mask() -> None:
+    from benchmarks.bench_memory import v2_block
+    from pipeline.methods.mobiletl import mobiletl_block
+
+    block = v2_block(6)
+    mobiletl_block(block, "proj-bn")  # sign-mask activations state their own bits (1)
+    counts = {c: footprint(block, (8, 96, 7, 7), input_requires_grad=True, measure=False, convention=c)
+              for c in ("mask", "map")}
+    assert counts["mask"].activation_bytes == counts["map"].activation_bytes
+    assert footprint(v2_block(1), (8, 96, 7, 7), measure=False, input_requires_grad=True).convention == "mask"
+    assert stored_bits(nn.ReLU6(), True, "map") == (32, "activation map (map convention)")
+    assert stored_bits(nn.ReLU6(), False, "map")[0] == 0  # no gradient reaches it: nothing either way
+    with pytest.raises(ValueError, match="unknown memory convention 'paper'; expected one of mask, map"):
+        footprint(block, (8, 96, 7, 7), convention="paper")
