@@ -23,6 +23,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,15 +63,27 @@ def run_seed(seed: int, store: Path, extra: list[str]) -> tuple[dict[str, dict],
     return {name: reports[name].metrics for name in ROWS}, stages, time.perf_counter() - start
 
 
-def _rate(step: object, samples: int, repeats: int = 2) -> float:
+def _rate(step: Callable[[], object], samples: int, repeats: int = 2) -> float:
     """Samples per second of ``step()``: the faster of ``repeats`` timed calls after one warm-up."""
-    step()  # type: ignore[operator]
+    step()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        step()  # type: ignore[operator]
+        step()
         best = min(best, time.perf_counter() - t0)
     return samples / best
+
+
+def _train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One AdamW training step of ``module`` on (``x``, ``y``), as a callable to time."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def vit_feasibility(batch: int, resolution: int, source_images: int, target_images: int, pretrain_epochs: int,
@@ -80,30 +93,16 @@ def vit_feasibility(batch: int, resolution: int, source_images: int, target_imag
     net = build_backbone("vit_b_16", 5, resolution=resolution)
     x = torch.randn(batch, 3, resolution, resolution)
     y = torch.randint(0, 5, (batch,))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-
-    def full_step() -> None:
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-
     net.train()
-    full = _rate(full_step, batch)
+    full = _rate(_train_step(net, x, y), batch)
     net.eval()
     with torch.no_grad():
         forward = _rate(lambda: net(x), batch)
     bottom, top = split_at(net, 1)
     with torch.no_grad():
         features = bottom(x)
-    top_opt = torch.optim.AdamW(top.parameters(), lr=1e-4)
-
-    def top_step() -> None:
-        top_opt.zero_grad()
-        nn.functional.cross_entropy(top(features), y).backward()
-        top_opt.step()
-
     top.train()
-    top_rate = _rate(top_step, batch)
+    top_rate = _rate(_train_step(top, features, y), batch)
     pretrain_s = source_images * pretrain_epochs / full
     forward_s = target_images / forward
     transfer_s = rows * 500 * transfer_epochs / top_rate
@@ -112,8 +111,8 @@ def vit_feasibility(batch: int, resolution: int, source_images: int, target_imag
         "feature_shape_at_cut_1": list(feature_shape(net, 1, resolution)),
         "full_train_images_per_s": full, "frozen_forward_images_per_s": forward,
         "top_1_block_train_images_per_s": top_rate,
-        "extrapolated_seconds": {"pretrain": pretrain_s, "frozen_forward": forward_s, "transfer_rows": transfer_s,
-                                 "total": pretrain_s + forward_s + transfer_s},
+        "extrapolated_seconds": {"pretrain": pretrain_s, "frozen_forward": forward_s,
+                                 "transfer_rows": transfer_s, "total": pretrain_s + forward_s + transfer_s},
     }
 
 
@@ -152,7 +151,8 @@ def main() -> None:
         rows.append({
             "row": name, "bits": first["bits"], "accuracy_mean": statistics.fmean(accs),
             "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "accuracies": accs,
-            "epoch_seconds_steady": statistics.fmean(s["metrics"][name]["epoch_seconds_steady"] for s in per_seed),
+            "epoch_seconds_steady": statistics.fmean(
+                s["metrics"][name]["epoch_seconds_steady"] for s in per_seed),
             "cache_bytes": first["cache_bytes"], "test_samples": first["test_samples"],
         })
     by = {r["row"]: r for r in rows}
@@ -164,7 +164,8 @@ def main() -> None:
     print(f"{'row':<16}{'bits':>5}{'accuracy':>18}{'vs float':>10}{'s/epoch':>9}{'cache':>12}")
     for r in rows:
         print(f"{r['row']:<16}{r['bits']:>5}{r['accuracy_mean']:>10.4f} ± {r['accuracy_std']:.4f}"
-              f"{r['accuracy_minus_float']:>+10.4f}{r['epoch_seconds_steady']:>9.2f}{r['cache_bytes'] / 1024:>10.1f}Ki")
+              f"{r['accuracy_minus_float']:>+10.4f}{r['epoch_seconds_steady']:>9.2f}"
+              f"{r['cache_bytes'] / 1024:>10.1f}Ki")
     print(f"memory of the trained top (batch 32): {memory}")
     vit = None
     if not args.skip_vit:
@@ -173,8 +174,9 @@ def main() -> None:
                               pretrain_epochs=1, transfer_epochs=2, rows=len(ROWS))
         print(f"vit_b_16: {vit}")
     path = write_result("transformer_cache_fashion_mnist", {
-        "question": "test accuracy of Cache & Reuse from 2/4/8-bit caches against the float (32-bit) cache "
-                    "on a vision transformer (swin_t), Fashion-MNIST transfer task; vit_b_16 feasibility here",
+        "question": "test accuracy of Cache & Reuse from 2/4/8-bit caches against the float (32-bit) "
+                    "cache on a vision transformer (swin_t), Fashion-MNIST transfer task; vit_b_16 "
+                    "feasibility here",
         "settings": {
             "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "seeds": args.seeds, "overrides": extra,
             "quick": args.quick, "torch_threads": torch.get_num_threads(),

@@ -130,6 +130,7 @@ def vit_blocks(tv: Any) -> Built:
 def vit_image_size(arch: str, resolution: int, patch: int = 16) -> int:
     """ViT's fixed input size: the recipe's resolution, which must be whole patches."""
     if resolution < patch or resolution % patch:
+        nearest = max(patch, resolution // patch * patch)
         raise ModelError(f"{arch} takes inputs of whole {patch}x{patch} patches: resolution must be a "
-                         f"multiple of {patch}, found {resolution} (e.g. {max(patch, resolution // patch * patch)})")
+                         f"multiple of {patch}, found {resolution} (e.g. {nearest})")
     return resolution

@@ -100,8 +100,10 @@ class FeatureAugment(Stage):
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Stream:
         parent = inputs["input"]
-        shape = call.spec.split(self.splits[0], stage=self.type_name).fields["x"].shape if self.splits else None
-        grid = call.spec.feature_grid(shape) if shape is not None else None
+        grid = None
+        if self.splits:
+            field = call.spec.split(self.splits[0], stage=self.type_name).fields["x"]
+            grid = call.spec.feature_grid(field.shape)
 
         def augment(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
             u = self._uniforms(batch, epoch, seed)

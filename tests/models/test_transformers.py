@@ -105,7 +105,8 @@ def test_cut_composes_to_the_full_forward(nets: dict[str, BlockNet], arch: str, 
             tokens = net.blocks[0](x)
             patches = net.blocks[0].conv_proj(x)  # (2, 768, 2, 2)
         pos = net.blocks[0].pos_embedding[0].T  # (768, 5)
-        torch.testing.assert_close(tokens[:, :, 0, 0], (net.blocks[0].class_token[0, 0] + pos[:, 0]).expand(2, -1))
+        class_token = net.blocks[0].class_token[0, 0] + pos[:, 0]
+        torch.testing.assert_close(tokens[:, :, 0, 0], class_token.expand(2, -1))
         torch.testing.assert_close(tokens[:, :, 0, 1:], patches.flatten(2) + pos[:, 1:])
 
 
@@ -171,7 +172,7 @@ def test_decoding_with_a_token_crop_equals_cropping_the_decoded_maps() -> None:
     assert aug.resolve({"input": decoded}, None) is decoded
     assert decoded.feature_grid((6, 1, 17)) == (1, 4, 4)
     bad = Spec(STREAM, 2, {"train": SplitSpec(5, {"x": FieldSpec((6, 1, 16), "float32")})}, dict(spec.meta))
-    with pytest.raises(StageError, match=r"do not hold the cut's token layout \(1 prefix token\(s\) \+ a 4x4"):
+    with pytest.raises(StageError, match=r"token layout \(1 prefix token\(s\) \+ a 4x4 grid\)"):
         aug.resolve({"input": bad}, None)
 
 
