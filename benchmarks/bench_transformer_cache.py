@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--store", help="store directory (default: a temporary one)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--skip-vit", action="store_true", help="leave out the vit_b_16 timing")
+    ap.add_argument("--arch", default="swin_t", help="the recipe's backbone (vit_b_16: at --resolution, a "
+                    "multiple of 16); other than swin_t, written to transformer_cache_fashion_mnist_<arch>.json")
+    ap.add_argument("--resolution", type=int, default=None, help="input size of the backbone and the images")
     ap.add_argument("--vit-batch", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="one seed, tiny data, one epoch: checks the path")
     ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results")
@@ -129,7 +132,12 @@ def main() -> None:
     if args.quick:
         args.seeds = args.seeds[:1]
         args.output_dir = args.output_dir or Path(tempfile.gettempdir()) / "bench-quick"
-    extra = [*(QUICK if args.quick else []), *args.overrides]
+    extra = [*(QUICK if args.quick else [])]
+    if args.arch != "swin_t":
+        extra.append(f"stages.backbone.arch={args.arch}")
+    if args.resolution is not None:
+        extra += [f"stages.{s}.resolution={args.resolution}" for s in ("backbone", "target_images")]
+    extra += args.overrides
     tmp = None
     if args.store:
         store = Path(args.store)
@@ -173,15 +181,17 @@ def main() -> None:
         vit = vit_feasibility(args.vit_batch, 32, source_images=source, target_images=500 + 60 + 300,
                               pretrain_epochs=1, transfer_epochs=2, rows=len(ROWS))
         print(f"vit_b_16: {vit}")
-    path = write_result("transformer_cache_fashion_mnist", {
+    name = "transformer_cache_fashion_mnist" + ("" if args.arch == "swin_t" else f"_{args.arch}")
+    path = write_result(name, {
         "question": "test accuracy of Cache & Reuse from 2/4/8-bit caches against the float (32-bit) "
                     "cache on a vision transformer (swin_t), Fashion-MNIST transfer task; vit_b_16 "
                     "feasibility here",
         "settings": {
-            "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "seeds": args.seeds, "overrides": extra,
+            "recipe": str(RECIPE.relative_to(RECIPE.parents[2])), "arch": args.arch, "seeds": args.seeds,
+            "overrides": extra,
             "quick": args.quick, "torch_threads": torch.get_num_threads(),
-            "task": "swin_t from scratch at 64 px on classes 0-4 (100/class, 1 epoch), transfer to 5-9 with "
-                    "100 train images/class, top = the last Swin block + head (cut: (768, 2, 2) token maps), "
+            "task": f"{args.arch} from scratch at {args.resolution or 64} px on classes 0-4 (100/class, 1 "
+                    "epoch), transfer to 5-9 with 100 train images/class, top = the last block + head, "
                     "test: 1% of each class's training images (300), 2 epochs per row",
         },
         "rows": rows,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .common import DASH, Rendered, Result, acc, cell, nbytes, num, rows_of, table
 
-RESULTS = ("transformer_cache_fashion_mnist",)
+RESULTS = ("transformer_cache_fashion_mnist", "transformer_cache_fashion_mnist_vit_b_16")
 
 
 def _points(fraction: float) -> str:
@@ -17,6 +17,7 @@ def _points(fraction: float) -> str:
 
 def render(result: Result, results_dir: Path) -> Rendered:
     data = result.data
+    arch = data.get("settings", {}).get("arch", "swin_t")
     rows = rows_of(data)
     body = table(
         ["row", "bits", "test accuracy % (mean ± std)", "vs float (points)", "s/epoch", "cache size"],
@@ -53,8 +54,8 @@ def render(result: Result, results_dir: Path) -> Rendered:
         )
     parts = [f"{r['row']} {acc(r['accuracy_mean'], r.get('accuracy_std'))}%" for r in rows]
     return Rendered(
-        title="Cache & Reuse on a vision transformer (swin_t, Fashion-MNIST transfer)",
-        headline="swin_t: " + (", ".join(parts) if parts else DASH),
+        title=f"Cache & Reuse on a vision transformer ({arch}, Fashion-MNIST transfer)",
+        headline=f"{arch}: " + (", ".join(parts) if parts else DASH),
         body=body,
         question=data.get("question"),
     )
