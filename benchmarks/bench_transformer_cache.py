@@ -8,13 +8,14 @@ accuracy per cache (mean and spread over seeds), each cache's stored bytes, stea
 the memory meter's numbers for the trained top (analytic and measured saved activations, weights,
 gradients, optimizer state).
 
-vit_b_16 (86M parameters) is not run through the recipe: it is timed instead, on the same machine in
-the same run (one full training step, one frozen forward, one training step of a one-block top, batch
-``--vit-batch`` at 32 px), and the time the same task would take is extrapolated from those numbers,
-so the JSON says with measurements why it was left out.
+vit_b_16 (86M parameters) is timed as well, on the same machine in the same run (one full training
+step, one frozen forward, one training step of a one-block top, batch ``--vit-batch`` at 32 px), and
+the time the same task would take is extrapolated from those numbers, so the JSON says with
+measurements what running it costs; ``--arch vit_b_16 --resolution 32`` runs the recipe on it
+(written to its own JSON).
 
 Usage: python -m benchmarks.bench_transformer_cache [--seeds 0 1] [--store DIR] [--set KEY=VALUE ...]
-       [--skip-vit] [--quick]  (--quick: the code path in minutes, written under /tmp)
+       [--arch vit_b_16 --resolution 32] [--skip-vit] [--quick]  (--quick: minutes, written under /tmp)
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--skip-vit", action="store_true", help="leave out the vit_b_16 timing")
     ap.add_argument("--arch", default="swin_t", help="the recipe's backbone (vit_b_16: at --resolution, a "
-                    "multiple of 16); other than swin_t, written to transformer_cache_fashion_mnist_<arch>.json")
+                    "multiple of 16); other than swin_t, written to "
+                    "transformer_cache_fashion_mnist_<arch>.json")
     ap.add_argument("--resolution", type=int, default=None, help="input size of the backbone and the images")
     ap.add_argument("--vit-batch", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="one seed, tiny data, one epoch: checks the path")
