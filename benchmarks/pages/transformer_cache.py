@@ -5,6 +5,7 @@ and what vit_b_16 would cost on the same machine."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .common import DASH, Rendered, Result, acc, cell, nbytes, num, rows_of, table
 
@@ -15,6 +16,11 @@ def _points(fraction: float) -> str:
     return f"{100 * fraction:+.2f}"
 
 
+def _std(row: dict[str, Any]) -> float | None:
+    """The spread over seeds, or None for one seed (a single run has none to show)."""
+    return row.get("accuracy_std") if len(row.get("accuracies", [])) > 1 else None
+
+
 def render(result: Result, results_dir: Path) -> Rendered:
     data = result.data
     arch = data.get("settings", {}).get("arch", "swin_t")
@@ -22,7 +28,7 @@ def render(result: Result, results_dir: Path) -> Rendered:
     body = table(
         ["row", "bits", "test accuracy % (mean ± std)", "vs float (points)", "s/epoch", "cache size"],
         [
-            [cell(r["row"]), num(r["bits"]), acc(r["accuracy_mean"], r.get("accuracy_std")),
+            [cell(r["row"]), num(r["bits"]), acc(r["accuracy_mean"], _std(r)),
              _points(r["accuracy_minus_float"]), num(r.get("epoch_seconds_steady")),
              nbytes(r.get("cache_bytes"))]
             for r in rows
@@ -52,7 +58,7 @@ def render(result: Result, results_dir: Path) -> Rendered:
               num(vit["top_1_block_train_images_per_s"]), num(est["pretrain"]), num(est["frozen_forward"]),
               num(est["transfer_rows"]), num(est["total"])]],
         )
-    parts = [f"{r['row']} {acc(r['accuracy_mean'], r.get('accuracy_std'))}%" for r in rows]
+    parts = [f"{r['row']} {acc(r['accuracy_mean'], _std(r))}%" for r in rows]
     return Rendered(
         title=f"Cache & Reuse on a vision transformer ({arch}, Fashion-MNIST transfer)",
         headline=f"{arch}: " + (", ".join(parts) if parts else DASH),
