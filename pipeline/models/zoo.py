@@ -35,6 +35,11 @@ class ArchInfo:
     def transformer(self) -> bool:
         return self.family in ("swin", "vit")
 
+    @property
+    def fixed_input(self) -> bool:
+        """Built for one input size (``resolution``): ViT, its position embedding one entry per patch."""
+        return self.family == "vit"
+
 
 ARCHITECTURES: dict[str, ArchInfo] = {
     "mobilenet_v2": ArchInfo(tvm.mobilenet_v2, "features", supports_width_mult=True),

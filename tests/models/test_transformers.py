@@ -13,6 +13,7 @@ from pipeline.codec.features import DequantizedStream
 from pipeline.codec.moves import CropFlip, crop_and_flip
 from pipeline.codec.quantile import quantize
 from pipeline.context import RunContext
+from pipeline.deploy.model_file import load_model
 from pipeline.errors import ModelError, StageError
 from pipeline.models.fold import fold_batch_norms
 from pipeline.models.memory import footprint
@@ -225,3 +226,8 @@ def test_two_stage_from_a_2bit_cache(tmp_path: Path, arch: str, resolution: int,
     assert 0.0 <= m["accuracy"] <= 1.0
     assert list(m["top_input_shape"]) == shape
     assert 0.9 <= m["memory_activation_bytes_measured"] / m["memory_activation_bytes"] <= 1.1
+    # The trained model's file rebuilds the net (ViT at its resolution) and loads its weights.
+    loaded = load_model(tmp_path / "run", stage="top")
+    x = torch.randn(2, 3, resolution, resolution)
+    with torch.no_grad():
+        assert loaded(x).shape == (2, 5)
