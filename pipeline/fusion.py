@@ -69,8 +69,8 @@ class AugmentWhileDequantizing(Stream):
 def fuse_dequantize_augment(augment: FeatureAugment, source: Stream,
                             dequantized: DequantizedStream) -> AugmentWhileDequantizing:
     """The feature_aug stage ``augment`` over ``dequantized``, computed while dequantizing ``source``."""
-    _, h, w = dequantized.shape
-    return AugmentWhileDequantizing(source, dequantized, augment.crop_drawer(h, w), augment.splits)
+    prefix, h, w = dequantized.spec.feature_grid(dequantized.shape)
+    return AugmentWhileDequantizing(source, dequantized, augment.crop_drawer(h, w, prefix), augment.splits)
 
 
 @dataclass(frozen=True)

@@ -79,19 +79,28 @@ class Cut:
     feature_shape: tuple[int, int, int]
     resolution: int
     precision: str = "fp32"
+    # (prefix tokens, grid H, grid W) where the maps are a transformer's tokens laid out as
+    # (D, 1, prefix + H*W) (ViT: the class token first); None for plain (C, H, W) maps.
+    token_layout: tuple[int, int, int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "arch": self.arch, "train_last_blocks": self.train_last_blocks, "model": self.model,
             "feature_shape": list(self.feature_shape), "resolution": self.resolution,
             "precision": self.precision,
         }
+        if self.token_layout is not None:  # only then: plain maps keep their stored meta unchanged
+            meta["token_layout"] = list(self.token_layout)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Cut:
         c, h, w = (int(d) for d in meta["feature_shape"])
+        layout = meta.get("token_layout")
+        p, gh, gw = (int(d) for d in layout) if layout is not None else (0, 0, 0)
         return cls(str(meta["arch"]), int(meta["train_last_blocks"]), meta.get("model"), (c, h, w),
-                   int(meta["resolution"]), str(meta.get("precision", "fp32")))
+                   int(meta["resolution"]), str(meta.get("precision", "fp32")),
+                   None if layout is None else (p, gh, gw))
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,14 @@ class Spec:
     def quantization(self) -> Quantization | None:
         """How the stream's training splits are coded; None for a stream that was never quantized."""
         return Quantization.from_meta(self.meta)
+
+    def feature_grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """(prefix tokens, H, W) that feature augmentation moves in maps of ``shape`` (C, H, W): the
+        cut's token grid where the maps are transformer tokens, else the maps' own H and W."""
+        cut = self.cut
+        if cut is not None and cut.token_layout is not None:
+            return cut.token_layout
+        return 0, int(shape[1]), int(shape[2])
 
     @property
     def class_names(self) -> list[str] | None:

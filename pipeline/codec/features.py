@@ -159,7 +159,7 @@ class DequantizedStream(MapStream):
         if "codes" in batch:
             device = batch["codes"].device
             x = None
-            if device.type == "cpu":
+            if device.type == "cpu" and (crop is None or not crop.prefix):  # the kernel moves whole maps
                 move = None if crop is None else crop.move
                 x = native.dequantize_moved(batch["codes"], batch["lo"], batch["scale"], self.bits,
                                             self.shape, move, threads=torch.get_num_threads())

@@ -37,6 +37,11 @@ class CropFlip:
     moves every sample's pixels at once; the padding is then zeroed by assignment, row by row and
     column by column, which touches only the padded pixels and stays exactly zero next to inf or
     nan (a 0/1 mask multiplied in would make nan of them).
+
+    ``prefix`` > 0: the planes are transformer tokens, ``prefix`` tokens that are no grid position
+    (ViT's class token) followed by the (h, w) grid row by row, stored as (N, C, 1, prefix + h*w).
+    Only the grid moves; the prefix tokens stay where they are, never padding. ``source`` then has
+    ``prefix + h*w`` positions and the padding is zeroed by a mask over the flattened plane.
     """
 
     dy: np.ndarray
@@ -44,14 +49,16 @@ class CropFlip:
     flip: np.ndarray
     h: int
     w: int
+    prefix: int = 0
 
     @classmethod
-    def draw(cls, n: int, h: int, w: int, padding: int, hflip: float, u: np.ndarray) -> CropFlip:
+    def draw(cls, n: int, h: int, w: int, padding: int, hflip: float, u: np.ndarray,
+             prefix: int = 0) -> CropFlip:
         """The crop and flip of ``n`` samples from their uniforms ``u`` (n, 3): dy, dx, flip."""
         span = 2 * padding + 1
         dy = (u[:n, 0] * span).astype(np.int32) - padding
         dx = (u[:n, 1] * span).astype(np.int32) - padding
-        return cls(dy, dx, u[:n, 2] < hflip, h, w)
+        return cls(dy, dx, u[:n, 2] < hflip, h, w, prefix)
 
     @property
     def move(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,7 +91,11 @@ class CropFlip:
             cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
             source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
             pad_rows, pad_cols = (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
-            self._positions[key] = (source.reshape(n, h * w), pad_rows, pad_cols)
+            source = source.reshape(n, h * w)
+            if self.prefix:  # prefix tokens read themselves; the grid's positions shift past them
+                kept = torch.arange(self.prefix, device=device)[None, :].expand(n, self.prefix)
+                source = torch.cat([kept, source + self.prefix], dim=1)
+            self._positions[key] = (source, pad_rows, pad_cols)
         return self._positions[key]
 
     @property
@@ -105,7 +116,7 @@ class CropFlip:
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """Set the padded output pixels of ``x`` (N, C, H, W), moved by ``source``, to zero; in place."""
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or self.prefix:
             return self.zero_padding_masked(x)
         _, pad_rows, pad_cols = self.positions(x.device)
         sample, row = pad_rows.nonzero(as_tuple=True)
@@ -121,16 +132,27 @@ class CropFlip:
         padded rows (``nonzero`` would wait for the GPU). It assigns +0.0 exactly where the indexed
         assignment does, so the two give the same bits, on any device."""
         _, pad_rows, pad_cols = self.positions(x.device)
-        return x.masked_fill_(pad_rows[:, None, :, None] | pad_cols[:, None, None, :], 0)
+        pad = pad_rows[:, None, :, None] | pad_cols[:, None, None, :]
+        if not self.prefix:
+            return x.masked_fill_(pad, 0)
+        n, c = x.shape[:2]
+        pad = torch.cat([pad.new_zeros(n, 1, self.prefix), pad.reshape(n, 1, self.h * self.w)], dim=2)
+        x.view(n, c, -1).masked_fill_(pad, 0)
+        return x
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
         return self.zero_padding(quantile.move_planes(x, self.source_on(x.device)))
 
 
-def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray) -> torch.Tensor:
-    """Per-sample random crop (zero padding ``padding``) and horizontal flip of ``x``, drawn from ``u``."""
+def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray,
+                  grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Per-sample random crop (zero padding ``padding``) and horizontal flip of ``x``, drawn from ``u``.
+
+    ``grid`` = (prefix, h, w) for token maps (see :class:`CropFlip`); default: the maps' own (0, H, W).
+    """
     n, _, h, w = x.shape
     if n == 0:
         return x.clone()
-    return CropFlip.draw(n, h, w, padding, hflip, u).apply(x)
+    prefix, h, w = grid if grid is not None else (0, h, w)
+    return CropFlip.draw(n, h, w, padding, hflip, u, prefix).apply(x)

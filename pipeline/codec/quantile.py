@@ -172,7 +172,8 @@ def quantize(x: torch.Tensor, bits: int, k: int | float = 1) -> QuantizedBatch:
     if hw == 0:
         raise ValueError(f"quantize: feature maps must have H * W >= 1, found shape {tuple(x.shape)}")
     rank = resolve_k(k, hw)
-    flat = x.detach().reshape(n, c, hw)
+    # contiguous: a transformer's token maps arrive as transposed views, and the codes are viewed flat below
+    flat = x.detach().reshape(n, c, hw).contiguous()
     if flat.dtype != torch.float32:
         flat = flat.float()
 

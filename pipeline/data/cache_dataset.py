@@ -77,7 +77,7 @@ class CropDrawer(Protocol):
     @property
     def splits(self) -> tuple[str, ...]: ...
 
-    def crop_drawer(self, h: int, w: int) -> Callable[[Batch, int, int], CropFlip]: ...
+    def crop_drawer(self, h: int, w: int, prefix: int = 0) -> Callable[[Batch, int, int], CropFlip]: ...
 
 
 # ------------------------------------------------------------------------------- finding an entry
@@ -356,8 +356,8 @@ class CacheDataset(IterableDataset[tuple[torch.Tensor, ...]]):
         split, epoch, seed = self.split, self.epoch, self.seed
         draw = None
         if self.augment is not None and split in self.augment.splits:
-            _, h, w = self.feature_shape
-            draw = self.augment.crop_drawer(h, w)
+            prefix, h, w = self.spec.feature_grid(self.feature_shape)
+            draw = self.augment.crop_drawer(h, w, prefix)
         if self.spec.quantization is not None:
             dequantized = DequantizedStream(stored, self.decoded_spec)
 

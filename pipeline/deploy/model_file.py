@@ -232,11 +232,17 @@ def _save(ctx: RunContext, call: StageCall, module: nn.Module | Mapping[str, tor
     return str(save_weights(state, out_dir / MODEL_FILE, description))
 
 
+def _input_size(arch: ArchConfig) -> dict[str, int]:
+    """``{"resolution": ...}`` for a net built for one input size (ViT's position embedding), which
+    rebuilding it needs; nothing for the others, whose model files stay as they were."""
+    return {"resolution": arch.resolution} if zoo.ARCHITECTURES[arch.arch].fixed_input else {}
+
+
 def save_backbone_model(ctx: RunContext, call: StageCall, state: Mapping[str, torch.Tensor],
                         arch: ArchConfig) -> str | None:
     """The model file of a ``pretrain`` backbone (decoded with ImageNet's mean and std, as it trains)."""
     network = {"family": "backbone", "arch": arch.arch, "num_classes": arch.num_classes,
-               "width_mult": arch.width_mult, "small_input": arch.small_input}
+               "width_mult": arch.width_mult, "small_input": arch.small_input, **_input_size(arch)}
     return _save(ctx, call, state, network, data_field="input", resolution=arch.resolution,
                  preprocess=Preprocess(arch.resolution))
 
@@ -254,7 +260,7 @@ def save_transfer_model(ctx: RunContext, call: StageCall, *, bottom: nn.Module, 
     network = {"family": "transfer", "arch": arch.arch, "num_classes": num_classes,
                "width_mult": arch.width_mult, "small_input": arch.small_input,
                "train_last_blocks": train_last_blocks, "top_input_shape": [int(d) for d in top_input_shape],
-               "method": method.model_dump(mode="json")}
+               "method": method.model_dump(mode="json"), **_input_size(arch)}
     module = networks.TransferNet(bottom, top)
     return _save(ctx, call, module, network, data_field=data_field, resolution=resolution or arch.resolution,
                  notes=notes, directory=directory)

@@ -68,7 +68,8 @@ def rebuild(network: Mapping[str, Any]) -> nn.Module:
                 return aux_heads.ExitModel(list(net.layers[: k + 1]), heads[k])
             backbone = zoo.build_backbone(str(network["arch"]), num_classes,
                                           width_mult=float(network["width_mult"]),
-                                          small_input=bool(network["small_input"]))
+                                          small_input=bool(network["small_input"]),
+                                          resolution=int(network.get("resolution", 224)))
             if family == "backbone":
                 return backbone
             n = int(network["train_last_blocks"])

@@ -54,7 +54,7 @@ class ArchConfig:
         global BUILDS
         BUILDS += 1
         return zoo.build_backbone(self.arch, self.num_classes, width_mult=self.width_mult,
-                                  small_input=self.small_input)
+                                  small_input=self.small_input, resolution=self.resolution)
 
     def desc(self) -> ModelDesc:
         return ModelDesc(self.arch, len(structure(self).blocks), self.width_mult, self.small_input,

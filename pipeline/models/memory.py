@@ -11,6 +11,11 @@ MobileTL (Chiang et al., AAAI 2023, Sec. 3): backward needs
   (``convention="map"``; see *Conventions* below);
 - the input of Hard-Swish, sigmoid, Hard-sigmoid, SiLU at 32 bits (their derivatives need it),
   and of a squeeze-and-excitation layer (its channel scaling multiplies by the input);
+- for self-attention (``nn.MultiheadAttention``, torchvision's Swin window attention), whose
+  projections are applied functionally, not as Linear modules: the input of the q/k/v projection,
+  q, k and v, the softmax probabilities (batch x heads x tokens x tokens per window) and the input
+  of the output projection, at 32 bits; Swin's tokens counted after padding to whole windows (its
+  projections run on the padded map);
 - nothing for pooling, flatten, residual adds, upsampling, or layers no gradient reaches;
 - layers from ``pipeline.methods.layers`` say themselves (``activation_bits``): MobileTL's
   shift-only BN keeps nothing, its sign-mask activations 1 bit, a frozen conv nothing;
@@ -66,6 +71,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchvision.models.swin_transformer import ShiftedWindowAttention
 from torchvision.ops import SqueezeExcitation
 
 FLOAT_BITS = 32
@@ -130,6 +136,33 @@ def stored_bits(module: nn.Module, input_requires_grad: bool, convention: str = 
     if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
         return 1, "dropout mask"
     return 0, "no activation needed"
+
+
+_ATTENTION = (nn.MultiheadAttention, ShiftedWindowAttention)
+
+
+def attention_elements(module: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
+    """(activation elements kept for backward, forward multiply-adds) of one self-attention call on ``inp``.
+
+    Kept, in the textbook convention of the module docstring: projection input, q, k, v and
+    output-projection input (5 token maps of the padded token count) plus the softmax probabilities.
+    Multiply-adds: the four projections and the two token-by-token products.
+    """
+    if isinstance(module, ShiftedWindowAttention):  # (N, H, W, C), padded to whole windows
+        n, h, w, c = inp.shape
+        wh, ww = module.window_size
+        hp, wp = -(-h // wh) * wh, -(-w // ww) * ww
+        windows, tokens = n * (hp // wh) * (wp // ww), wh * ww
+    else:  # torchvision's ViT feeds (N, T, D), batch first
+        if not getattr(module, "batch_first", False):
+            inp = inp.transpose(0, 1)
+        n, tokens, c = inp.shape
+        windows = n
+    heads = module.num_heads
+    token_maps = windows * tokens * c
+    probs = windows * heads * tokens * tokens
+    macs = 4 * token_maps * c + 2 * windows * tokens * tokens * c
+    return 5 * token_maps + probs, macs
 
 
 def layer_flops(module: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
@@ -291,7 +324,7 @@ def block_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _leaves(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Leaf modules, plus SE layers (their scaling multiply is not a module of its own)."""
     for name, m in module.named_modules():
-        if isinstance(m, SqueezeExcitation) or not any(True for _ in m.children()):
+        if isinstance(m, (SqueezeExcitation, *_ATTENTION)) or not any(True for _ in m.children()):
             yield name, m
 
 
@@ -337,12 +370,24 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
             p = p.rpartition(".")[0]
 
     def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+        if not args or not isinstance(args[0], torch.Tensor):
             return
         inp = args[0]
+        path = path_of[id(module)]
+        if isinstance(module, _ATTENTION):  # returns a tuple (MHA); its projections are no modules
+            trains = any(p.requires_grad for p in module.parameters())
+            elements, macs = attention_elements(module, inp)
+            kept = FLOAT_BITS * elements // 8 if trains or inp.requires_grad else 0
+            layers.append(LayerMemory(path, type(module).__name__, group_for(path), tuple(inp.shape),
+                                      FLOAT_BITS if kept else 0, kept,
+                                      "attention: q/k/v, probabilities, projection inputs" if kept
+                                      else "no gradient", 2 * macs,
+                                      (2 * macs if inp.requires_grad else 0) + (2 * macs if trains else 0)))
+            return
+        if not isinstance(out, torch.Tensor):
+            return
         bits, reason = stored_bits(module, inp.requires_grad, convention)
         fwd, bwd = layer_flops(module, inp, out)
-        path = path_of[id(module)]
         layers.append(LayerMemory(path, type(module).__name__, group_for(path), tuple(inp.shape), bits,
                                   (bits * inp.numel() + 7) // 8, reason, fwd, bwd))
 

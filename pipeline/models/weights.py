@@ -144,8 +144,8 @@ def _listed(keys: list[str]) -> str:
 
 
 def _looks_torchvision(net: nn.Module, state_dict: Mapping[str, Any]) -> bool:
-    ours = ("blocks.", "head.")
-    return hasattr(net, "from_torchvision_keys") and not any(k.startswith(ours) for k in state_dict)
+    # Only "blocks.": torchvision's Swin names its classifier "head." too, as our nets do.
+    return hasattr(net, "from_torchvision_keys") and not any(k.startswith("blocks.") for k in state_dict)
 
 
 def apply_weights(net: nn.Module, state_dict: Mapping[str, torch.Tensor], *, source: str,

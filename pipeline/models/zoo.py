@@ -20,6 +20,7 @@ import torchvision.models as tvm
 from torch import nn
 
 from ..errors import ModelError, did_you_mean
+from . import transformers
 from .fold import fold_batch_norms
 from .weights import apply_weights
 
@@ -27,8 +28,17 @@ from .weights import apply_weights
 @dataclass(frozen=True)
 class ArchInfo:
     constructor: Callable[..., nn.Module]
-    family: str  # "features" (MobileNet/EfficientNet), "resnet" or "squeezenet"
+    family: str  # "features" (MobileNet/EfficientNet), "resnet", "squeezenet", "swin" or "vit"
     supports_width_mult: bool = False
+
+    @property
+    def transformer(self) -> bool:
+        return self.family in ("swin", "vit")
+
+    @property
+    def fixed_input(self) -> bool:
+        """Built for one input size (``resolution``): ViT, its position embedding one entry per patch."""
+        return self.family == "vit"
 
 
 ARCHITECTURES: dict[str, ArchInfo] = {
@@ -38,6 +48,8 @@ ARCHITECTURES: dict[str, ArchInfo] = {
     "efficientnet_b0": ArchInfo(tvm.efficientnet_b0, "features"),
     "resnet18": ArchInfo(tvm.resnet18, "resnet"),
     "squeezenet1_1": ArchInfo(tvm.squeezenet1_1, "squeezenet"),
+    "swin_t": ArchInfo(tvm.swin_t, "swin"),
+    "vit_b_16": ArchInfo(tvm.vit_b_16, "vit"),
 }
 
 
@@ -45,9 +57,14 @@ class BlockNet(nn.Module):
     """``head(blocks[-1](...blocks[0](x)))``; ``tv_prefixes`` maps torchvision key prefixes to ours."""
 
     def __init__(self, arch: str, blocks: list[nn.Module], head: nn.Module, num_classes: int,
-                 tv_prefixes: Mapping[str, str], in_channels: int = 3) -> None:
+                 tv_prefixes: Mapping[str, str], in_channels: int = 3,
+                 token_layout: tuple[int, int, int] | None = None, input_size: int | None = None) -> None:
         super().__init__()
         self.arch = arch
+        # (prefix tokens, grid H, grid W) of maps that are (D, 1, prefix + H*W) tokens (ViT); None when
+        # every block's output is a plain (C, H, W) map.
+        self.token_layout = token_layout
+        self.input_size = input_size  # the one input size the net takes (ViT), or None: any size
         self.blocks = nn.ModuleList(blocks)
         self.head = head
         self.num_classes = num_classes
@@ -171,12 +188,24 @@ def _from_resnet(arch: str, tv: tvm.ResNet, num_classes: int, small_input: bool,
     return BlockNet(arch, blocks, head, num_classes, prefixes)
 
 
+def _from_transformer(arch: str, family: str, tv: Any, num_classes: int) -> BlockNet:
+    if family == "swin":
+        blocks, head, prefixes = transformers.swin_blocks(tv)
+        return BlockNet(arch, blocks, head, num_classes, prefixes)
+    blocks, head, prefixes = transformers.vit_blocks(tv)
+    grid = tv.image_size // tv.patch_size
+    return BlockNet(arch, blocks, head, num_classes, prefixes, token_layout=(1, grid, grid),
+                    input_size=tv.image_size)
+
+
 def build_backbone(arch: str, num_classes: int, *, width_mult: float = 1.0, small_input: bool = False,
-                   dropout: float | None = None) -> BlockNet:
+                   dropout: float | None = None, resolution: int = 224) -> BlockNet:
     """A randomly initialised backbone (seed with ``torch.manual_seed``); load weights separately.
 
     ``small_input`` makes the stem stride 1 (and drops ResNet's max-pool) so 32x32 inputs
     keep spatial maps larger than 1x1 deep into the net; weight shapes are unchanged.
+    ``resolution`` is ViT's fixed input size (its position embedding has one entry per patch);
+    the CNNs and Swin (which pads to whole windows) take any size and ignore it.
     """
     info = ARCHITECTURES.get(arch)
     if info is None:
@@ -192,7 +221,12 @@ def build_backbone(arch: str, num_classes: int, *, width_mult: float = 1.0, smal
                          f"use width_mult: 1.0 or one of {supported}")
     if dropout is not None and not 0.0 <= dropout <= 1.0:
         raise ModelError(f"dropout for {arch} must be in [0, 1], found {dropout}")
+    if small_input and info.transformer:
+        raise ModelError(f"small_input changes a CNN stem's stride; {arch} is a transformer: set "
+                         "small_input: false and give the input size as resolution")
     kwargs: dict[str, object] = {"weights": None, "num_classes": num_classes}
+    if info.family == "vit":
+        kwargs["image_size"] = transformers.vit_image_size(arch, resolution)
     if info.supports_width_mult:
         kwargs["width_mult"] = width_mult
     if dropout is not None and info.family != "resnet":
@@ -200,6 +234,8 @@ def build_backbone(arch: str, num_classes: int, *, width_mult: float = 1.0, smal
     tv = info.constructor(**kwargs)
     if info.family == "resnet":
         return _from_resnet(arch, tv, num_classes, small_input, dropout)
+    if info.transformer:
+        return _from_transformer(arch, info.family, tv, num_classes)
     return _from_features(arch, tv, num_classes, small_input)
 
 
@@ -242,6 +278,10 @@ def feature_shape(net: BlockNet, train_last_blocks: int, input_size: int) -> tup
     bottom, _ = split_at(net, train_last_blocks)
     if input_size < 1:
         raise ModelError(f"input_size must be >= 1 pixel, found {input_size} (for {net.arch})")
+    if net.input_size is not None and input_size != net.input_size:
+        raise ModelError(f"{net.arch} was built for {net.input_size}x{net.input_size} inputs (its "
+                         f"resolution), found {input_size}x{input_size} images; set the model's "
+                         f"resolution: {input_size} or decode at {net.input_size}")
     x = torch.empty(1, net.in_channels, input_size, input_size, device="meta")
     tensors = {k: torch.empty_like(v, device="meta")
                for k, v in itertools.chain(bottom.named_parameters(), bottom.named_buffers())}
@@ -265,6 +305,13 @@ def feature_shape(net: BlockNet, train_last_blocks: int, input_size: int) -> tup
         raise ModelError(f"{net.arch} produced a {tuple(out.shape)} output at the cut, expected (N,C,H,W)")
     c, h, w = (int(d) for d in out.shape[1:])
     return c, h, w
+
+
+def token_layout(net: BlockNet, train_last_blocks: int) -> tuple[int, int, int] | None:
+    """(prefix tokens, grid H, grid W) of the maps at the cut when they are transformer tokens laid out
+    as (D, 1, prefix + H*W); None for plain (C, H, W) maps (and for the images, when no block is frozen)."""
+    cut = _check_cut(net, train_last_blocks)
+    return net.token_layout if cut > 0 else None
 
 
 def final_layer(net: nn.Module) -> tuple[str, nn.Linear | nn.Conv2d]:

@@ -8,6 +8,9 @@ augmentation of a sample does not depend on which batch or worker it landed in.
 Right after a dequantize stage, the runner fuses the two (``pipeline.fusion``): the crop
 and flip then move the stored codes while they are decoded. This stage only says how its
 moves are drawn (``crop_drawer``); it never looks at the stage before it.
+
+Transformer tokens (ViT's (D, 1, 1 + H*W), the cut's ``token_layout``) are cropped and flipped on
+their patch grid; tokens before the grid (the class token) are left as they are.
 """
 
 from __future__ import annotations
@@ -76,25 +79,34 @@ class FeatureAugment(Stage):
                     f"expected float feature maps 'x' (C,H,W) in split {name!r}, found {field}; "
                     "put a dequantize stage before feature_aug"
                 )
+            prefix, h, w = data.feature_grid(field.shape)
+            if field.shape[1] * field.shape[2] != prefix + h * w:
+                raise StageError(f"feature maps {field.shape} in split {name!r} do not hold the cut's token "
+                                 f"layout ({prefix} prefix token(s) + a {h}x{w} grid)")
         return data
 
     def _uniforms(self, batch: Batch, epoch: int, seed: int) -> np.ndarray:
         return sample_uniforms(batch["id"], self.seed * 31 + seed, epoch, 3)
 
-    def crop_drawer(self, h: int, w: int) -> Callable[[Batch, int, int], CropFlip]:
-        """How the moves of a batch of (h, w) maps are drawn: ``draw(batch, epoch, seed)``."""
+    def crop_drawer(self, h: int, w: int, prefix: int = 0) -> Callable[[Batch, int, int], CropFlip]:
+        """How the moves of a batch of (h, w) maps (or token grids after ``prefix`` tokens) are drawn:
+        ``draw(batch, epoch, seed)``."""
 
         def draw(batch: Batch, epoch: int, seed: int) -> CropFlip:
             u = self._uniforms(batch, epoch, seed)
-            return CropFlip.draw(len(u), h, w, self.crop_padding, self.hflip, u)
+            return CropFlip.draw(len(u), h, w, self.crop_padding, self.hflip, u, prefix)
 
         return draw
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Stream:
         parent = inputs["input"]
+        grid = None
+        if self.splits:
+            field = call.spec.split(self.splits[0], stage=self.type_name).fields["x"]
+            grid = call.spec.feature_grid(field.shape)
 
         def augment(batch: Batch, split: str, epoch: int, seed: int) -> Batch:
             u = self._uniforms(batch, epoch, seed)
-            return {**batch, "x": crop_and_flip(batch["x"], self.crop_padding, self.hflip, u)}
+            return {**batch, "x": crop_and_flip(batch["x"], self.crop_padding, self.hflip, u, grid)}
 
         return MapStream(parent, augment, call.spec, splits=self.splits)

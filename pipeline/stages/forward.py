@@ -163,7 +163,8 @@ class FrozenForward(Stage):
         first = next(iter(shapes.values()))
         assert first is not None  # checked above
         resolution = first.shape[-1]
-        shape = zoo.feature_shape(structure(ArchConfig.of(model)), self.train_last_blocks, resolution)
+        net = structure(ArchConfig.of(model))
+        shape = zoo.feature_shape(net, self.train_last_blocks, resolution)
         fields = {"x": FieldSpec(tuple(shape), "float32"), "y": FieldSpec((), "int64"),
                   "id": FieldSpec((), "int64")}
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
@@ -171,7 +172,7 @@ class FrozenForward(Stage):
             raise StageError(f"calibration_split {self.calibration_split!r} is not a split of "
                              f"`{self.input}` (found {sorted(data.splits)})")
         cut = Cut(model.model.arch, self.train_last_blocks, ctx.fingerprints.get(self.model),
-                  shape, resolution, self.precision)
+                  shape, resolution, self.precision, zoo.token_layout(net, self.train_last_blocks))
         return data.as_stream(splits).with_cut(cut)
 
     def _check_device(self, ctx: RunContext) -> None:
