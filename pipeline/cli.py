@@ -24,6 +24,7 @@ from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
 from .deploy import commands as deploy_commands
+from .sweep import commands as sweep_commands
 from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
@@ -117,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one)")
     new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
     deploy_commands.add_parsers(sub)
+    sweep_commands.add_parsers(sub)
     return p
 
 
@@ -257,6 +259,7 @@ COMMANDS = {
     "cache": cmd_cache,
     "new": cmd_new,
     **deploy_commands.COMMANDS,
+    **sweep_commands.COMMANDS,
 }
 
 
