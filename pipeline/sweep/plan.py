@@ -79,19 +79,18 @@ class SweepPlan:
         """The plan as the sweep prints it before any work."""
         n = len(self.variants)
         forwards, passes = self.count("forward"), len(self.forward_passes)
-        fwd = f"{forwards} frozen forward{'s' if forwards != 1 else ''} to run (one per distinct upstream)"
+        fwd = f"{_counted(forwards, 'frozen forward')} to run (one per distinct upstream)"
         if passes > forwards:
             fwd += (f", in {passes} passes: features are stored quantized, so each of the {passes} cache "
                     "builds runs its upstream's forward")
         lines = [
-            f"{n} variant{'s' if n != 1 else ''}: {fwd}; "
-            f"{self.count('cache')} cache build{'s' if self.count('cache') != 1 else ''}, "
-            f"{self.count('model')} backbone{'s' if self.count('model') != 1 else ''} to train, "
-            f"{self.count('training')} training{'s' if self.count('training') != 1 else ''}",
+            f"{_counted(n, 'variant')}: {fwd}; "
+            f"{_counted(self.count('cache'), 'cache build')}, {_counted(self.count('model'), 'backbone')} to "
+            f"train, {_counted(self.count('training'), 'training')}",
         ]
-        stored = [f"{self.count(c, stored=True)} {what}" for c, what in (
-            ("forward", "frozen forwards (their caches are stored)"), ("cache", "caches"),
-            ("model", "backbones"), ("training", "trainings")) if self.count(c, stored=True)]
+        stored = [_counted(self.count(c, stored=True), what) for c, what in (
+            ("forward", "frozen forward"), ("cache", "cache"), ("model", "backbone"), ("training", "training"))
+            if self.count(c, stored=True)]
         lines.append("already stored, reused: " + (", ".join(stored) if stored else "nothing"))
         return lines
 
@@ -102,6 +101,10 @@ class SweepPlan:
             "stored": {c: len(v) for c, v in self.reuse.items()},
             "forward_passes": len(self.forward_passes),
         }
+
+
+def _counted(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def variant_recipes(
