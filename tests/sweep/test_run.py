@@ -80,11 +80,13 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_variants(
 ) -> None:
     store, out = store_copy(upstream, tmp_path), tmp_path / "sweep"
     calls: list[str] = []
+    kill_at = ["002"]
     real = execute.run_variant
 
     def killed_at_the_second(recipe: Any, source: str, store: str | None, run_dir: str, quiet: bool) -> Any:
         calls.append(Path(run_dir).name)
-        if len(calls) == 2:
+        if calls[-1] in kill_at:
+            kill_at.clear()
             raise KeyboardInterrupt  # as Ctrl-C in the middle of the second variant
         return real(recipe, source, store, run_dir, quiet)
 
