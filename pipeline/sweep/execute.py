@@ -122,7 +122,7 @@ def run_dask(
             futures[future] = p
         log(f"[sweep] {len(futures)} variants submitted to the Dask cluster")
         try:
-            for future in as_completed(list(futures)):
+            for future in as_completed(list(futures), loop=client.loop):
                 p = futures[future]
                 try:
                     outcome = future.result()
