@@ -24,8 +24,8 @@ from stores.errors import CorruptChunkError, StoreError
 
 from . import cache_cli
 from .deploy import commands as deploy_commands
-from .sweep import commands as sweep_commands
 from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
+from .sweep import commands as sweep_commands
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143

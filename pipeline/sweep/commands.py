@@ -34,7 +34,8 @@ def add_parsers(sub: Any) -> None:
     sw.add_argument("recipe", help="recipe YAML file")
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", help=GRID_HELP)
     sw.add_argument("--random", type=_positive, metavar="N",
-                    help="run N distinct variants drawn from the grid (all of it when N is larger, with a note)")
+                    help="run N distinct variants drawn from the grid (all of it, with a note, when N is "
+                    "larger)")
     sw.add_argument("--seed", type=int, default=0, help="seed of --random's draw (default 0)")
     sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe field in every variant (repeatable)")

@@ -21,7 +21,7 @@ from typing import Any
 from .. import api
 from ..errors import PipelineError
 from ..recipe import ExecutorConfig, Recipe
-from .plan import SweepPlan, VariantPlan, category
+from .plan import VariantPlan, category
 from .records import variant_dir
 
 OnEnd = Callable[[VariantPlan, dict[str, Any]], None]
@@ -48,7 +48,8 @@ def run_variant(
 
 
 def run_local(
-    pending: Sequence[VariantPlan], *, sweep_dir: Path, store: str | None, quiet: bool, on_end: OnEnd, log: Log
+    pending: Sequence[VariantPlan], *, sweep_dir: Path, store: str | None, quiet: bool, on_end: OnEnd,
+    log: Log,
 ) -> None:
     """The variants one after another in this process; Ctrl-C propagates after the current one's record."""
     for n, p in enumerate(pending, 1):
@@ -63,7 +64,7 @@ def run_local(
         on_end(p, outcome)
 
 
-def shared_entries(plan: SweepPlan, pending: Sequence[VariantPlan]) -> list[tuple[VariantPlan, tuple[str, ...]]]:
+def shared_entries(pending: Sequence[VariantPlan]) -> list[tuple[VariantPlan, tuple[str, ...]]]:
     """(variant, its stages to build first) so that each shared entry to compute is built once, by the
     first pending variant that needs it: its backbones and caches, not its trainings."""
     done: set[str] = set()
@@ -81,17 +82,16 @@ def shared_entries(plan: SweepPlan, pending: Sequence[VariantPlan]) -> list[tupl
 
 
 def build_shared(
-    plan: SweepPlan, pending: Sequence[VariantPlan], *, sweep_dir: Path, store: str | None, quiet: bool, log: Log
+    pending: Sequence[VariantPlan], *, sweep_dir: Path, store: str | None, quiet: bool, log: Log
 ) -> None:
     """Build the shared upstream entries here, once each, before the trainings go to the workers."""
-    for p, names in shared_entries(plan, pending):
+    for p, names in shared_entries(pending):
         log(f"[sweep] building the shared {', '.join(names)} of variant {p.variant.id} before the trainings")
         only = p.variant.recipe.model_copy(update={"targets": names})
         api.run(only, store=store, output=sweep_dir / "shared" / p.variant.id, quiet=quiet)
 
 
 def run_dask(
-    plan: SweepPlan,
     pending: Sequence[VariantPlan],
     *,
     sweep_dir: Path,
@@ -108,7 +108,7 @@ def run_dask(
 
     from ..executors.dask_build import dask_client
 
-    build_shared(plan, pending, sweep_dir=sweep_dir, store=store, quiet=quiet, log=log)
+    build_shared(pending, sweep_dir=sweep_dir, store=store, quiet=quiet, log=log)
     where = ExecutorConfig(type="dask", address=address, workers=None if address else workers)
     with dask_client(where, log) as client:
         futures = {}

@@ -90,7 +90,7 @@ def parse_axis(text: str) -> Axis:
             raise GridError(f"--grid {text!r}: value {n} ({value_text!r}) is not valid YAML: "
                             f"{str(exc).splitlines()[0]}") from None
     seen: dict[str, str] = {}
-    for value, value_text in zip(values, texts):
+    for value, value_text in zip(values, texts, strict=True):
         canonical = yaml.safe_dump(value, default_flow_style=True)
         if canonical in seen:
             raise GridError(f"--grid {text!r}: the value {value_text!r} is given twice (as "
@@ -156,8 +156,8 @@ def check_keys(axes: Sequence[Axis], full: Mapping[str, Any], overrides: Sequenc
                     )
                 node = node[part]
             else:
-                raise GridError(f"--grid {axis.key}: {where} is a value ({node!r}), not a mapping with a field "
-                                f"{part!r}")
+                raise GridError(f"--grid {axis.key}: {where} is a value ({node!r}), not a mapping with "
+                                f"a field {part!r}")
 
 
 def combinations(axes: Sequence[Axis]) -> list[tuple[int, ...]]:

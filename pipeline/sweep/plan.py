@@ -89,8 +89,8 @@ class SweepPlan:
             f"train, {_counted(self.count('training'), 'training')}",
         ]
         stored = [_counted(self.count(c, stored=True), what) for c, what in (
-            ("forward", "frozen forward"), ("cache", "cache"), ("model", "backbone"), ("training", "training"))
-            if self.count(c, stored=True)]
+            ("forward", "frozen forward"), ("cache", "cache"), ("model", "backbone"),
+            ("training", "training")) if self.count(c, stored=True)]
         lines.append("already stored, reused: " + (", ".join(stored) if stored else "nothing"))
         return lines
 
@@ -130,8 +130,8 @@ def variant_recipes(
     from_file = isinstance(recipe, str | Path)
     variants, errors = [], []
     for index, combo in enumerate(picked):
-        texts = tuple(axis.override(i) for axis, i in zip(axes, combo))
-        values = {axis.key: axis.values[i] for axis, i in zip(axes, combo)}
+        texts = tuple(axis.override(i) for axis, i in zip(axes, combo, strict=True))
+        values = {axis.key: axis.values[i] for axis, i in zip(axes, combo, strict=True)}
         try:
             resolved = load_recipe(recipe, [*overrides, *texts]) if from_file else load_recipe(base, texts)
         except PipelineError as exc:
@@ -149,7 +149,7 @@ def apply_rewrite(variants: list[Variant], rewrite: Rewrite | None) -> list[Vari
     recipes = rewrite([v.recipe for v in variants])
     if len(recipes) != len(variants):
         raise ValueError(f"a sweep rewrite returned {len(recipes)} recipes for {len(variants)} variants")
-    return [Variant(v.index, v.values, v.overrides, r) for v, r in zip(variants, recipes)]
+    return [Variant(v.index, v.values, v.overrides, r) for v, r in zip(variants, recipes, strict=True)]
 
 
 def _raise_if(errors: list[str], total: int, what: str) -> None:
@@ -209,8 +209,9 @@ def plan_sweep(
         name = target or default_target(v.recipe)
         try:
             if name is None:
-                raise GridError(f"its targets ({', '.join(Graph(v.recipe).targets)}) include no trainer whose "
-                                "validation accuracy could rank the variants")
+                targets = ", ".join(Graph(v.recipe).targets)
+                raise GridError(f"its targets ({targets}) include no trainer whose validation accuracy "
+                                "could rank the variants")
             graph = Graph(v.recipe)
             if name not in graph.targets:
                 raise GridError(f"--target {name} is not one of its targets ({', '.join(graph.targets)}); "
@@ -244,7 +245,7 @@ def plan_sweep(
 
 
 def _forwards_pulled(name: str, by_name: Mapping[str, PlanRow], recipe: Recipe) -> list[str]:
-    """The frozen forwards the build of entry ``name`` runs: upstream through streams, up to stored entries."""
+    """The frozen forwards the build of entry ``name`` runs: upstream through streams, up to entries."""
     found, stack, seen = [], list(by_name[name].inputs.values()), set()
     while stack:
         parent = stack.pop()

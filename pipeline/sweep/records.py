@@ -61,7 +61,7 @@ def ended_record(p: VariantPlan, outcome: dict[str, Any]) -> dict[str, Any]:
         record["error"] = outcome["error"]
     summary = outcome.get("summary") or {}
     metrics = summary.get("results", {}).get(p.target, {})
-    stage = next((s for s in summary.get("stages", []) if s.get("name") == p.target), {})
+    stage: dict[str, Any] = next((s for s in summary.get("stages", []) if s.get("name") == p.target), {})
     record.update(
         val_accuracy=_first_number(metrics, VALIDATION_METRICS),
         test_accuracy=_first_number(metrics, ("accuracy",)),
@@ -70,7 +70,8 @@ def ended_record(p: VariantPlan, outcome: dict[str, Any]) -> dict[str, Any]:
         epoch_seconds=_first_number(metrics, ("epoch_seconds",)),
         memory_total_bytes=_first_number(metrics, ("memory_total_bytes",)),
         memory_activation_bytes=_first_number(metrics, ("memory_activation_bytes",)),
-        stages={s["name"]: {"status": s["status"], "seconds": s["seconds"]} for s in summary.get("stages", [])},
+        stages={s["name"]: {"status": s["status"], "seconds": s["seconds"]}
+                for s in summary.get("stages", [])},
     )
     return record
 

@@ -174,7 +174,8 @@ def run_sweep(
     elif earlier is not None:
         echo(f"{sweep_dir} holds an earlier sweep with no finished variant of this grid: running them all")
     if plan_only:
-        return SweepResult(sweep_dir, _sweep_data(prepared, executor, {}, 0.0, sweep_dir, plan_only=True), None)
+        data = _sweep_data(prepared, executor, {}, 0.0, sweep_dir, plan_only=True)
+        return SweepResult(sweep_dir, data, None)
     try:
         sweep_dir.mkdir(parents=True, exist_ok=True)
     except PermissionError as exc:
@@ -188,7 +189,8 @@ def run_sweep(
         record = ended_record(p, outcome)
         write_record(sweep_dir, record)  # first: the variant's own record is what a resume trusts
         records[p.variant.id] = record
-        write_sweep(sweep_dir, _sweep_data(prepared, executor, records, time.perf_counter() - start, sweep_dir))
+        seconds = time.perf_counter() - start
+        write_sweep(sweep_dir, _sweep_data(prepared, executor, records, seconds, sweep_dir))
 
     def log(message: str) -> None:
         if not quiet:
@@ -198,7 +200,7 @@ def run_sweep(
     write_sweep(sweep_dir, _sweep_data(prepared, executor, records, 0.0, sweep_dir))
     try:
         if executor == "dask" and pending:
-            run_dask(plan, pending, sweep_dir=sweep_dir, store=prepared.store, quiet=quiet, workers=workers,
+            run_dask(pending, sweep_dir=sweep_dir, store=prepared.store, quiet=quiet, workers=workers,
                      address=address, on_end=on_end, log=log)
         else:
             run_local(pending, sweep_dir=sweep_dir, store=prepared.store, quiet=quiet, on_end=on_end, log=log)
@@ -226,7 +228,8 @@ def _sweep_data(
     line += f", {failed} failed" if failed else ""
     line += f" in {seconds:.1f}s"
     if best is not None:
-        line += (f"; best val accuracy {best['val_accuracy']:.4f} (test {best.get('test_accuracy') or 0:.4f}) "
+        test = best.get("test_accuracy") or 0.0
+        line += (f"; best val accuracy {best['val_accuracy']:.4f} (test {test:.4f}) "
                  f"with {', '.join(best['overrides'])}")
     line += f" -> {sweep_dir}"
     return {

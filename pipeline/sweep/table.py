@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from stores.durable import atomic_write_bytes
-
 from stores.manifest import human_size
+
 from .records import RECORD_FILE
 
 COLUMNS = ("val_accuracy", "test_accuracy", "train_seconds", "epoch_seconds", "memory_total_bytes",
@@ -44,7 +44,8 @@ def _cell(value: Any) -> str:
 def write_csv(sweep_dir: Path, keys: list[str], records: list[dict[str, Any]]) -> None:
     rows = [["variant", *keys, *COLUMNS]]
     for r in sorted(records, key=lambda r: r["index"]):
-        rows.append([r["id"], *(_cell(r["values"].get(k)) for k in keys), *(_cell(r.get(c)) for c in COLUMNS)])
+        values = [_cell(r["values"].get(k)) for k in keys]
+        rows.append([r["id"], *values, *(_cell(r.get(c)) for c in COLUMNS)])
     tmp = sweep_dir / ".sweep.csv.tmp"
     with open(tmp, "w", newline="") as fh:
         csv.writer(fh).writerows(rows)
@@ -61,7 +62,8 @@ def write_markdown(sweep_dir: Path, data: dict[str, Any], plots: list[str]) -> N
     if data.get("random") is not None:
         lines.append(f"- `--random {data['random']} --seed {data['seed']}`")
     lines += ["", "Plan: " + "; ".join(data["plan_lines"]), ""]
-    header = ["rank", "variant", *keys, "val acc", "test acc", "train s", "s/epoch", "memory", "trained", "status"]
+    header = ["rank", "variant", *keys, "val acc", "test acc", "train s", "s/epoch", "memory", "trained",
+              "status"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def fmt(value: Any, spec: str) -> str:
@@ -107,7 +109,7 @@ def write_plot(sweep_dir: Path, keys: list[str], records: list[dict[str, Any]]) 
         panels.append(("training memory (MiB)", [r["memory_total_bytes"] / 2**20 for r in done]))
     accuracy = [r["val_accuracy"] for r in done]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
-    for ax, (name, xs) in zip(axes[0], panels):
+    for ax, (name, xs) in zip(axes[0], panels, strict=True):
         positions, labels = _axis_values(xs)
         ax.scatter(positions, accuracy)
         if labels is not None:

@@ -129,7 +129,7 @@ def test_dask_and_local_sweeps_give_the_same_table(upstream: tuple[Path, Path], 
                         executor="dask", workers=2)
     assert (tmp_path / "dask" / "shared" / "001" / "summary.json").is_file()
     assert not (tmp_path / "local" / "shared").exists()
-    for a, b in zip(local.variants, on_dask.variants):
+    for a, b in zip(local.variants, on_dask.variants, strict=True):
         assert a["status"] == b["status"] == "finished" and a["values"] == b["values"]
         assert a["target_fingerprint"] == b["target_fingerprint"]
         assert (a["val_accuracy"], a["test_accuracy"]) == (b["val_accuracy"], b["test_accuracy"])
@@ -165,7 +165,9 @@ def test_bad_input_exits_2_before_any_work(
     assert not out.exists()
 
 
-def test_random_must_be_a_positive_count(upstream: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_random_must_be_a_positive_count(
+    upstream: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["sweep", str(upstream[0]), "--grid", f"{LR}=0.1", "--random", "0"])
     assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
