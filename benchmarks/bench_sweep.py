@@ -39,12 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SETUPS: dict[str, dict[str, Any]] = {
     "quickstart": {
         "recipe": ROOT / "recipes" / "quickstart.yaml",
-        "overrides": ["targets=[two_stage]"],
+        # The two-stage trainer only; the backbone's pretraining shortened (pre-built for both arms, not
+        # measured), and the transfer's epochs below the recipe's 15 to keep the run short on 2 cores.
+        "overrides": ["targets=[two_stage]", "stages.backbone.train.epochs=4"],
         "target": "two_stage",
         "cache": "cache",
         "backbone": "backbone",
         "grid": {"stages.two_stage.train.lr": [0.003, 0.01, 0.03, 0.1],
-                 "stages.two_stage.train.epochs": [10, 15]},
+                 "stages.two_stage.train.epochs": [6, 10]},
     },
     "fashion_mnist": {
         "recipe": ROOT / "recipes" / "cache_reuse" / "fashion_mnist.yaml",
@@ -154,8 +156,10 @@ def main() -> None:
             "sweep_over_cache_build_plus_trainings": round(ratio, 4),
             "sweep_parts": {"cache_build_seconds": sweep_cache_build, "training_seconds": [r["train_seconds"]
                             for r in records], "ratio": round(own_ratio, 4)},
-            "target_ratio": 1.10,
-            "target_met": ratio <= 1.10,
+            "headline": f"{len(variants)}-variant sweep {sweep_wall:.1f}s = {ratio:.3f}× (one cache build + "
+            f"{len(variants)} trainings), target ≤ 1.10; {len(variants)} independent runs "
+            f"{independent_wall / sweep_wall:.2f}× the sweep",
+            "targets": {"sweep_within_10pct_of_one_cache_build_plus_trainings": ratio <= 1.10},
             "independent_runs": independent,
             "sweep_variants": [{k: r.get(k) for k in ("id", "values", "seconds", "train_seconds",
                                                        "val_accuracy", "test_accuracy")} for r in records],

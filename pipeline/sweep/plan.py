@@ -167,23 +167,28 @@ def default_target(recipe: Recipe) -> str | None:
     return trainers[-1] if trainers else None
 
 
-def working_stages(rows: Sequence[PlanRow], targets: Iterable[str]) -> set[str]:
-    """The stages that will do work: reached from the targets through entries that are not stored."""
-    by_name = {r.name: r for r in rows}
+def _walk(
+    start: Iterable[str], by_name: Mapping[str, PlanRow], through: Callable[[PlanRow], bool]
+) -> set[str]:
+    """The stages reached upstream from ``start`` through (and only through) rows ``through`` accepts."""
+    reached: set[str] = set()
     seen: set[str] = set()
-    working: set[str] = set()
-    stack = list(targets)
+    stack = list(start)
     while stack:
         name = stack.pop()
         if name in seen:
             continue
         seen.add(name)
-        row = by_name[name]
-        if row.action == "reuse":
-            continue  # loaded from the store: its inputs are never pulled
-        working.add(name)
-        stack.extend(row.inputs.values())
-    return working
+        if through(by_name[name]):
+            reached.add(name)
+            stack.extend(by_name[name].inputs.values())
+    return reached
+
+
+def working_stages(rows: Sequence[PlanRow], targets: Iterable[str]) -> set[str]:
+    """The stages that will do work: reached from the targets through entries that are not stored (a
+    stored entry is loaded: its inputs are never pulled)."""
+    return _walk(targets, {r.name: r for r in rows}, lambda row: row.action != "reuse")
 
 
 def category(recipe: Recipe, row: PlanRow) -> str | None:
@@ -245,17 +250,11 @@ def plan_sweep(
 
 
 def _forwards_pulled(name: str, by_name: Mapping[str, PlanRow], recipe: Recipe) -> list[str]:
-    """The frozen forwards the build of entry ``name`` runs: upstream through streams, up to entries."""
-    found, stack, seen = [], list(by_name[name].inputs.values()), set()
-    while stack:
-        parent = stack.pop()
-        if parent in seen:
-            continue
-        seen.add(parent)
-        row = by_name[parent]
-        if recipe.stages[parent].cacheable or row.kind != STREAM:
-            continue  # an entry (stored, or counted as its own build) or a model: not a stream to follow
-        if row.type in FORWARD_TYPES:
-            found.append(parent)
-        stack.extend(row.inputs.values())
-    return found
+    """The frozen forwards the build of entry ``name`` runs: upstream through streams, up to entries (a
+    stored one, or one counted as its own build) and models."""
+
+    def stream(row: PlanRow) -> bool:
+        return row.kind == STREAM and not recipe.stages[row.name].cacheable
+
+    return sorted(n for n in _walk(by_name[name].inputs.values(), by_name, stream)
+                  if by_name[n].type in FORWARD_TYPES)
