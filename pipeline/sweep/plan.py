@@ -135,7 +135,10 @@ def variant_recipes(
         try:
             resolved = load_recipe(recipe, [*overrides, *texts]) if from_file else load_recipe(base, texts)
         except PipelineError as exc:
-            errors.append(f"variant {index + 1:03d} ({', '.join(texts)}): {exc}")
+            message = str(exc)
+            for axis in axes:  # the recipe names an override's source as --set; these came from a --grid
+                message = message.replace(f"(--set {axis.key})", f"(--grid {axis.key})")
+            errors.append(f"variant {index + 1:03d} ({', '.join(texts)}): {message}")
             continue
         variants.append(Variant(index, values, texts, resolved))
     _raise_if(errors, len(picked), "do not make valid recipes")

@@ -74,7 +74,7 @@ def test_a_value_of_the_wrong_type_names_the_variant_and_the_grid(recipe: Path, 
     message = str(err.value)
     assert message.startswith("2 of the sweep's 4 variants do not make valid recipes")
     assert f"variant 003 ({LR}=fast, {EPOCHS}=1)" in message
-    assert f"(--set {LR}): {LR}: " in message and "'fast'" in message
+    assert f"(--grid {LR}): {LR}: " in message and "'fast'" in message
 
 
 def test_a_cut_outside_the_backbone_is_found_while_planning(recipe: Path, tmp_path: Path) -> None:
