@@ -181,6 +181,7 @@ def run_sweep(
     except PermissionError as exc:
         raise PathPermissionError(f"cannot write the sweep directory {sweep_dir}: {exc}; pass --output DIR") \
             from None
+    echo(f"sweep directory: {sweep_dir} (a killed sweep resumes with --output {sweep_dir})")
     records: dict[str, dict[str, Any]] = {p.variant.id: done.get(p.variant.id) or pending_record(p)
                                           for p in plan.variants}
     start = time.perf_counter()
