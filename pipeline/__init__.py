@@ -20,7 +20,8 @@ any stage; ``help(pipeline.run)`` and friends have the details)::
 - :func:`plan` — the stage graph with fingerprints and what is stored, no work done;
 - :func:`run` — run a recipe, get back its summary, run directory and each stage's output;
 - :func:`cache_dataset` — a stored cache entry as a sharded, seeded ``IterableDataset``;
-- :func:`load_model` — a trained model file as a ready ``nn.Module`` and its preprocessing.
+- :func:`load_model` — a trained model file as a ready ``nn.Module`` and its preprocessing;
+- :func:`run_sweep` — a grid of variants of a recipe, sharing what they share, ranked (``sweep``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import cache_dataset, load_recipe, plan, run
     from .deploy.model_file import load_model
+    from .sweep.run import run_sweep
 
 # name -> the module that defines it, imported when the name is first read.
 _EXPORTS = {
@@ -39,9 +41,10 @@ _EXPORTS = {
     "run": "pipeline.api",
     "cache_dataset": "pipeline.api",
     "load_model": "pipeline.deploy.model_file",
+    "run_sweep": "pipeline.sweep.run",
 }
 
-__all__ = ["cache_dataset", "load_model", "load_recipe", "plan", "run"]
+__all__ = ["cache_dataset", "load_model", "load_recipe", "plan", "run", "run_sweep"]
 
 
 def __getattr__(name: str) -> Any:

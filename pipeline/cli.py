@@ -26,6 +26,7 @@ from .choose import command as choose_command
 from .deploy import commands as deploy_commands
 from .errors import DeviceMemoryError, PipelineError, Terminated, missing_dependency
 from .sizes import parse_size
+from .sweep import commands as sweep_commands
 from .switches import KEEP_HEAP, apply_process_settings, check_switches
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
     deploy_commands.add_parsers(sub)
     choose_command.add_parsers(sub)
+    sweep_commands.add_parsers(sub)
     return p
 
 
@@ -241,6 +243,7 @@ COMMANDS = {
     "new": cmd_new,
     **deploy_commands.COMMANDS,
     **choose_command.COMMANDS,
+    **sweep_commands.COMMANDS,
 }
 
 

@@ -55,7 +55,7 @@ def test_importing_pipeline_loads_no_heavy_library() -> None:
     assert out.stdout.split("\n")[:2] == ["[]", "False"]
 
 
-@pytest.mark.parametrize("name", ["load_recipe", "plan", "run", "cache_dataset"])
+@pytest.mark.parametrize("name", ["load_recipe", "plan", "run", "cache_dataset", "run_sweep"])
 def test_every_export_is_documented_with_an_example(name: str) -> None:
     doc = getattr(pipeline, name).__doc__ or ""
     assert "Example::" in doc and f"pipeline.{name}(" in doc

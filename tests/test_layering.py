@@ -6,7 +6,8 @@ An arrow means "may import"; nothing imports a layer above its own:
                 pipeline.scaffold (the `new` command: the shipped example recipes), pipeline.__main__,
                 pipeline.api (the Python API: what the commands do, as functions),
                 pipeline.deploy.{commands,export,predict,evaluate} (the export, predict and evaluate
-                commands' work), pipeline.choose.* (the choose command: a search over runs)
+                commands' work), pipeline.choose.* (the choose command: a search over runs),
+                pipeline.sweep.* (the sweep command: runs of the API, planned together)
     4 config    pipeline.recipe, pipeline.registry, pipeline.derive_cuts (a recipe rewrite for sweeps)
     3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
@@ -49,7 +50,7 @@ SHARED = {
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
          "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
-         "pipeline.deploy.evaluate", "pipeline.choose")),
+         "pipeline.deploy.evaluate", "pipeline.choose", "pipeline.sweep")),
     (4, ("pipeline.recipe", "pipeline.registry", "pipeline.derive_cuts")),
     (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
          "pipeline.executors")),

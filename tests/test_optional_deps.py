@@ -24,7 +24,8 @@ ALLOWED_IMPORTERS: dict[str, set[str]] = {
     "pymoo": {"pipeline/methods/mixed_precision/search.py"},
     "networkx": {"pipeline/methods/mixed_precision/graph.py"},
     "dask": {"pipeline/executors/dask_build.py"},
-    "distributed": {"pipeline/executors/dask_build.py", "benchmarks/bench_dask_build.py"},
+    "distributed": {"pipeline/executors/dask_build.py", "benchmarks/bench_dask_build.py",
+                    "pipeline/sweep/execute.py"},
     "h5py": {"stores/h5_entry.py", "stores/h5_progress.py", "stores/h5_reader.py"},
     "psutil": {"benchmarks/_meta.py"},
 }

@@ -1,0 +1,254 @@
+"""``python -m pipeline sweep`` as a function: grid -> validated variants -> plan -> runs -> tables.
+
+All bad input is found before any work (:func:`prepare`): the grid, every variant's recipe, every
+variant's plan. Then the plan is printed, finished variants of an earlier sweep into the same
+directory are taken from their records, and the rest run (:mod:`pipeline.sweep.execute`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..api import RecipeLike, _override_texts
+from ..errors import PathPermissionError
+from ..recipe import Recipe
+from ..storepath import resolve_store
+from .execute import run_dask, run_local
+from .grid import Axis, GridError
+from .plan import Rewrite, SweepPlan, VariantPlan, apply_rewrite, plan_sweep, variant_recipes
+from .records import (
+    SWEEP_FILE,
+    best_record,
+    ended_record,
+    finished_record,
+    pending_record,
+    read_sweep,
+    write_record,
+    write_sweep,
+)
+from .table import copy_best, write_csv, write_markdown, write_plot
+
+EXECUTORS = ("local", "dask")
+
+
+@dataclass
+class Prepared:
+    """A sweep checked and planned, nothing run yet."""
+
+    base: Recipe
+    axes: list[Axis]
+    plan: SweepPlan
+    random: int | None
+    seed: int
+    store: str
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What :func:`run_sweep` returns: ``data`` is ``sweep.json``; ``best`` the best variant's record."""
+
+    sweep_dir: Path
+    data: dict[str, Any]
+    best: dict[str, Any] | None
+
+    @property
+    def summary_line(self) -> str:
+        return str(self.data["summary_line"])
+
+    @property
+    def variants(self) -> list[dict[str, Any]]:
+        return list(self.data["variants"])
+
+
+def prepare(
+    recipe: RecipeLike,
+    grid: Sequence[str] | Mapping[str, Iterable[Any]],
+    *,
+    overrides: Sequence[str] | Mapping[str, Any] | None = None,
+    random: int | None = None,
+    seed: int = 0,
+    store: str | Path | None = None,
+    target: str | None = None,
+    rewrite: Rewrite | None = None,
+    note: Callable[[str], None] | None = None,
+) -> Prepared:
+    """Parse and check the grid, validate every variant and plan it: all before any work."""
+    texts = _override_texts(overrides)
+    base, axes, variants = variant_recipes(recipe, grid, overrides=texts, random=random, seed=seed, note=note)
+    variants = apply_rewrite(variants, rewrite)
+    root = resolve_store(None if store is None else str(store), base.store.path, writable=True)
+    return Prepared(base, axes, plan_sweep(variants, store=root, target=target), random, seed, str(root))
+
+
+def _sweep_dir(base: Recipe, output: str | Path | None, resume: str | Path | None) -> Path:
+    if resume is not None:
+        if output is not None and Path(output) != Path(resume):
+            raise GridError(f"--resume {resume} and --output {output} name two directories; give one")
+        if not (Path(resume) / SWEEP_FILE).is_file():
+            raise GridError(f"--resume {resume}: no {SWEEP_FILE} there, so no sweep to resume (expected the "
+                            "directory an earlier sweep wrote; start a new one with --output)")
+        return Path(resume)
+    if output is not None:
+        return Path(output)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{base.name}-sweep" / stamp
+
+
+def _check_earlier(sweep_dir: Path, base: Recipe) -> dict[str, Any] | None:
+    """An earlier sweep in ``sweep_dir`` must be of the same recipe: its records are resumed from."""
+    earlier = read_sweep(sweep_dir)
+    if earlier is not None and earlier.get("recipe") != base.name:
+        raise GridError(f"{sweep_dir} holds a sweep of recipe {earlier.get('recipe')!r}, not {base.name!r}: "
+                        "choose another --output")
+    return earlier
+
+
+def run_sweep(
+    recipe: RecipeLike,
+    grid: Sequence[str] | Mapping[str, Iterable[Any]],
+    *,
+    overrides: Sequence[str] | Mapping[str, Any] | None = None,
+    random: int | None = None,
+    seed: int = 0,
+    executor: str = "local",
+    workers: int | None = 2,
+    address: str | None = None,
+    output: str | Path | None = None,
+    resume: str | Path | None = None,
+    store: str | Path | None = None,
+    target: str | None = None,
+    quiet: bool = False,
+    plan_only: bool = False,
+    rewrite: Rewrite | None = None,
+    echo: Callable[[str], None] = print,
+) -> SweepResult:
+    """Run every variant of a grid of overrides, sharing what they share, and rank them.
+
+    ``grid``: ``["KEY=V1,V2", ...]`` as ``--grid`` takes them, or ``{"KEY": [V1, V2]}``; the cross
+    product runs, or ``random`` distinct samples of it drawn with ``seed``. ``overrides`` apply to
+    every variant (``--set``). ``executor``: ``local`` (one variant after another, here) or ``dask``
+    (shared caches built here first, then one task per variant on a local cluster of ``workers``
+    processes, or on the scheduler at ``address``). ``output``: the sweep directory (default
+    ``runs/<recipe>-sweep/<UTC time>``); an earlier sweep there (or at ``resume``) is resumed: its
+    finished variants are not run again. ``target``: the trainer whose validation accuracy ranks
+    the variants (default: the recipe's last target that trains). ``plan_only``: print the plan,
+    run nothing. ``rewrite``: applied to the list of variant recipes before they are planned.
+
+    Writes ``sweep.json``, ``sweep.csv``, ``sweep.md``, ``sweep.png``, ``variants/<id>/`` (a run
+    directory each) and ``best/`` (the best variant's model files).
+
+    Example::
+
+        import pipeline
+
+        result = pipeline.run_sweep("recipes/quickstart.yaml",
+                                    {"stages.two_stage.train.lr": [0.003, 0.01, 0.03]},
+                                    overrides={"targets": ["two_stage"]})
+        print(result.summary_line)
+        print(result.best["values"], result.best["val_accuracy"], result.sweep_dir / "best")
+    """
+    if executor not in EXECUTORS:
+        raise GridError(f"--executor {executor!r}: expected one of {', '.join(EXECUTORS)}")
+    if executor == "dask":
+        from ..lazy import require
+
+        require("distributed")
+    notes: list[str] = []
+    prepared = prepare(recipe, grid, overrides=overrides, random=random, seed=seed, store=store,
+                       target=target, rewrite=rewrite, note=notes.append)
+    for line in notes:
+        echo(line)
+    plan, base = prepared.plan, prepared.base
+    sweep_dir = _sweep_dir(base, output, resume)
+    earlier = _check_earlier(sweep_dir, base)
+    done = {p.variant.id: r for p in plan.variants if (r := finished_record(sweep_dir, p)) is not None}
+    echo(f"sweep of {base.name}: " + "; ".join(plan.lines()))
+    if done:
+        echo(f"resuming {sweep_dir}: {len(done)} of {len(plan.variants)} variants finished before, not rerun")
+    elif earlier is not None:
+        echo(f"{sweep_dir} holds an earlier sweep with no finished variant of this grid: running them all")
+    if plan_only:
+        data = _sweep_data(prepared, executor, {}, 0.0, sweep_dir, plan_only=True)
+        return SweepResult(sweep_dir, data, None)
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise PathPermissionError(f"cannot write the sweep directory {sweep_dir}: {exc}; pass --output DIR") \
+            from None
+    echo(f"sweep directory: {sweep_dir} (a killed sweep resumes with --output {sweep_dir})")
+    records: dict[str, dict[str, Any]] = {p.variant.id: done.get(p.variant.id) or pending_record(p)
+                                          for p in plan.variants}
+    start = time.perf_counter()
+
+    def on_end(p: VariantPlan, outcome: dict[str, Any]) -> None:
+        record = ended_record(p, outcome)
+        write_record(sweep_dir, record)  # first: the variant's own record is what a resume trusts
+        records[p.variant.id] = record
+        seconds = time.perf_counter() - start
+        write_sweep(sweep_dir, _sweep_data(prepared, executor, records, seconds, sweep_dir))
+
+    def log(message: str) -> None:
+        if not quiet:
+            print(message, file=sys.stderr)
+
+    pending = [p for p in plan.variants if p.variant.id not in done]
+    write_sweep(sweep_dir, _sweep_data(prepared, executor, records, 0.0, sweep_dir))
+    try:
+        if executor == "dask" and pending:
+            run_dask(pending, sweep_dir=sweep_dir, store=prepared.store, quiet=quiet, workers=workers,
+                     address=address, on_end=on_end, log=log)
+        else:
+            run_local(pending, sweep_dir=sweep_dir, store=prepared.store, quiet=quiet, on_end=on_end, log=log)
+    finally:
+        data = _sweep_data(prepared, executor, records, time.perf_counter() - start, sweep_dir)
+        write_sweep(sweep_dir, data)
+        write_csv(sweep_dir, [a.key for a in prepared.axes], data["variants"])
+        plots = write_plot(sweep_dir, [a.key for a in prepared.axes], data["variants"])
+        write_markdown(sweep_dir, data, plots)
+    best = best_record(data["variants"])
+    copy_best(sweep_dir, best)
+    return SweepResult(sweep_dir, data, best)
+
+
+def _sweep_data(
+    prepared: Prepared, executor: str, records: Mapping[str, dict[str, Any]], seconds: float, sweep_dir: Path,
+    *, plan_only: bool = False,
+) -> dict[str, Any]:
+    plan, base = prepared.plan, prepared.base
+    variants = [records.get(p.variant.id) or pending_record(p) for p in plan.variants]
+    best = best_record(variants)
+    finished = sum(r["status"] == "finished" for r in variants)
+    failed = sum(r["status"] == "failed" for r in variants)
+    line = f"sweep of {base.name}: {finished}/{len(variants)} variants finished"
+    line += f", {failed} failed" if failed else ""
+    line += f" in {seconds:.1f}s"
+    if best is not None:
+        test = best.get("test_accuracy") or 0.0
+        line += (f"; best val accuracy {best['val_accuracy']:.4f} (test {test:.4f}) "
+                 f"with {', '.join(best['overrides'])}")
+    line += f" -> {sweep_dir}"
+    return {
+        "recipe": base.name,
+        "recipe_file": base.source,
+        "target": plan.variants[0].target if plan.variants else None,
+        "metric": "val_accuracy",
+        "grid": [{"key": a.key, "values": list(a.values), "texts": list(a.texts)} for a in prepared.axes],
+        "random": prepared.random,
+        "seed": prepared.seed,
+        "executor": executor,
+        "store": prepared.store,
+        "plan": plan.as_json(),
+        "plan_lines": plan.lines(),
+        "plan_only": plan_only,
+        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 3),
+        "best": best["id"] if best is not None else None,
+        "variants": variants,
+        "summary_line": line,
+    }

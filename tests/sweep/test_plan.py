@@ -1,0 +1,89 @@
+"""A sweep's plan, before any work: how many frozen forwards, cache builds and trainings it will run.
+
+Planning resolves each variant (datasets, specs, fingerprints) but trains nothing, so these are fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.recipe import Recipe
+from pipeline.sweep import prepare
+from pipeline.sweep.grid import GridError
+
+from .recipes import CUT, EPOCHS, LR, tiny_recipe, write_tiny
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    return write_tiny(tmp_path / "tiny.yaml")
+
+
+def test_downstream_settings_share_one_frozen_forward(recipe: Path, tmp_path: Path) -> None:
+    plan = prepare(recipe, [f"{LR}=0.003,0.03", f"{EPOCHS}=1,2"], store=tmp_path / "store").plan
+    assert len(plan.variants) == 4
+    assert plan.count("forward") == 1 and len(plan.forward_passes) == 1
+    assert plan.count("cache") == 1 and plan.count("model") == 1
+    assert plan.count("training") == 4
+    assert len({p.target_fingerprint for p in plan.variants}) == 4
+    assert plan.lines()[0].startswith("4 variants: 1 frozen forward to run")
+    assert plan.lines()[1] == "already stored, reused: nothing"
+
+
+def test_two_cuts_plan_two_frozen_forwards(recipe: Path, tmp_path: Path) -> None:
+    plan = prepare(recipe, [f"{CUT}=6,7", f"{LR}=0.01,0.03"], store=tmp_path / "store").plan
+    assert plan.count("forward") == 2 and plan.count("cache") == 2
+    assert plan.count("model") == 1 and plan.count("training") == 4
+
+
+def test_a_bits_sweep_runs_one_upstream_once_per_cache(recipe: Path, tmp_path: Path) -> None:
+    # Features are stored quantized, not as floats: each bit width's cache build runs the forward.
+    plan = prepare(recipe, ["stages.quantized.bits=2,4,8"], store=tmp_path / "store").plan
+    assert plan.count("forward") == 1 and len(plan.forward_passes) == 3 and plan.count("cache") == 3
+    assert "in 3 passes" in plan.lines()[0]
+
+
+def test_the_grid_works_on_dicts_and_recipes_too(tmp_path: Path) -> None:
+    data = tiny_recipe()
+    for recipe in (data, Recipe.from_dict(data)):
+        plan = prepare(recipe, {LR: [0.003, 0.03]}, overrides={EPOCHS: 1}, store=tmp_path / "store").plan
+        assert [p.variant.values for p in plan.variants] == [{LR: 0.003}, {LR: 0.03}]
+        assert all(p.variant.recipe.stages["two_stage"].train.epochs == 1 for p in plan.variants)
+
+
+def test_a_rewrite_pass_sees_every_variant_before_planning(recipe: Path, tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def one_epoch(recipes: list[Recipe]) -> list[Recipe]:
+        seen.append(len(recipes))
+        return [Recipe.from_dict({**r.resolved_dict(), "seed": 5}, source=r.source) for r in recipes]
+
+    plain = prepare(recipe, [f"{LR}=0.003,0.03"], store=tmp_path / "store").plan
+    rewritten = prepare(recipe, [f"{LR}=0.003,0.03"], store=tmp_path / "store", rewrite=one_epoch).plan
+    assert seen == [2]
+    assert all(p.variant.recipe.seed == 5 for p in rewritten.variants)
+    assert {p.target_fingerprint for p in plain.variants}.isdisjoint(p.target_fingerprint
+                                                                     for p in rewritten.variants)
+
+
+def test_a_value_of_the_wrong_type_names_the_variant_and_the_grid(recipe: Path, tmp_path: Path) -> None:
+    with pytest.raises(GridError) as err:
+        prepare(recipe, [f"{LR}=0.01,fast", f"{EPOCHS}=1,2"], store=tmp_path / "store")
+    message = str(err.value)
+    assert message.startswith("2 of the sweep's 4 variants do not make valid recipes")
+    assert f"variant 003 ({LR}=fast, {EPOCHS}=1)" in message
+    assert f"(--grid {LR}): {LR}: " in message and "'fast'" in message
+
+
+def test_a_cut_outside_the_backbone_is_found_while_planning(recipe: Path, tmp_path: Path) -> None:
+    with pytest.raises(GridError, match=r"1 of the sweep's 2 variants cannot be planned:\n  variant 002 "):
+        prepare(recipe, [f"{CUT}=7,99"], store=tmp_path / "store")
+
+
+def test_the_ranking_target_must_be_a_target(recipe: Path, tmp_path: Path) -> None:
+    with pytest.raises(GridError, match=r"--target features is not one of its targets \(two_stage\)"):
+        prepare(recipe, [f"{LR}=0.01"], store=tmp_path / "store", target="features")
+    with pytest.raises(GridError, match="include no trainer"):
+        prepare(recipe, ["targets=[cache]"], store=tmp_path / "store")
