@@ -31,6 +31,7 @@ from ..methods.finetune import Finetune
 from ..recipe import Recipe, load_yaml
 from ..stages.forward import FrozenForward
 from ..stages.quantize import Quantize
+from ..sweep.grid import split_values
 
 KNOBS = ("arch", "cut", "bits", "method")
 DEFAULT_BITS = (2, 4, 8)
@@ -41,26 +42,6 @@ LABEL_FIELD = {"tinytl": "mode", "mobiletl": "variant"}
 
 
 # ------------------------------------------------------------------------------- KEY=V1,V2
-def _split_values(text: str) -> list[str]:
-    """``a,[1,2],{x: 1, y: 2}`` -> ``['a', '[1,2]', '{x: 1, y: 2}']``: commas inside brackets or
-    quotes belong to the value (a method's settings are a YAML mapping)."""
-    parts, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts]
-
-
 def parse_space(texts: list[str]) -> dict[str, list[Any]]:
     """``["bits=2,4", "method=vanilla,tinytl"]`` -> ``{"bits": [2, 4], "method": ["vanilla", "tinytl"]}``.
 
@@ -77,7 +58,7 @@ def parse_space(texts: list[str]) -> dict[str, list[Any]]:
         if not raw.strip():
             raise RecipeError(f"--space {text!r}: no values (expected {key}=V1,V2,...)")
         values = []
-        for value in _split_values(raw):
+        for value in split_values(raw):  # the sweep's --grid syntax
             if not value:
                 raise RecipeError(f"--space {text!r}: empty value (expected {key}=V1,V2,... with no empty "
                                   "entries)")

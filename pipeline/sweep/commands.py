@@ -55,6 +55,9 @@ def add_parsers(sub: Any) -> None:
     sw.add_argument("--store", help="store directory (overrides the recipe's store.path)")
     sw.add_argument("--plan", action="store_true", help="print the plan (variants, frozen forwards, "
                     "trainings, what is stored) and stop")
+    sw.add_argument("--no-derive-cuts", dest="derive_cuts", action="store_false",
+                    help="a sweep over a frozen forward's cut runs each cut's bottom on the images, instead "
+                    "of running the deepest cut's once and deriving the others from its float features")
     sw.add_argument("--quiet", action="store_true", help="no progress output, only the plan and the summary")
 
 
@@ -68,6 +71,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             args.recipe, args.grid, overrides=args.overrides, random=args.random, seed=args.seed,
             executor=args.executor, workers=args.workers, address=args.address, output=args.output,
             resume=args.resume, store=args.store, target=args.target, quiet=args.quiet, plan_only=args.plan,
+            derive_cuts=args.derive_cuts,
         )
     except KeyboardInterrupt:
         print("the sweep's finished variants are recorded: rerun the same command with --output of its "

@@ -83,13 +83,17 @@ class SweepPlan:
         if passes > forwards:
             fwd += (f", in {passes} passes: features are stored quantized, so each of the {passes} cache "
                     "builds runs its upstream's forward")
+        if self.count("derivation"):
+            fwd += (f", {_counted(self.count('derivation'), 'cut')} derived from a deeper cut's stored "
+                    "features (only the blocks between the cuts run)")
         lines = [
             f"{_counted(n, 'variant')}: {fwd}; "
             f"{_counted(self.count('cache'), 'cache build')}, {_counted(self.count('model'), 'backbone')} to "
             f"train, {_counted(self.count('training'), 'training')}",
         ]
         stored = [_counted(self.count(c, stored=True), what) for c, what in (
-            ("forward", "frozen forward"), ("cache", "cache"), ("model", "backbone"),
+            ("forward", "frozen forward"), ("derivation", "derived cut"),
+            ("cache", "cache"), ("model", "backbone"),
             ("training", "training")) if self.count(c, stored=True)]
         lines.append("already stored, reused: " + (", ".join(stored) if stored else "nothing"))
         return lines
@@ -197,7 +201,12 @@ def working_stages(rows: Sequence[PlanRow], targets: Iterable[str]) -> set[str]:
 def category(recipe: Recipe, row: PlanRow) -> str | None:
     stage = recipe.stages[row.name]
     if row.type in FORWARD_TYPES:
-        return "forward"
+        if row.action != "derive":
+            return "forward"
+        # From stored features at a deeper cut it runs only the blocks between the cuts: none at that
+        # cut itself (the deepest variant of a cut sweep reads its own stored features).
+        first, stop = row.spec.meta["derived_from"]["blocks"]
+        return "derivation" if stop > first else None
     if row.kind == RESULT:
         return "training"
     if stage.cacheable and row.kind == STREAM:

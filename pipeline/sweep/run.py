@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import RecipeLike, _override_texts
+from ..derive_cuts import share_bottom
 from ..errors import PathPermissionError
 from ..recipe import Recipe
 from ..storepath import resolve_store
@@ -76,14 +77,29 @@ def prepare(
     store: str | Path | None = None,
     target: str | None = None,
     rewrite: Rewrite | None = None,
+    derive_cuts: bool = True,
     note: Callable[[str], None] | None = None,
 ) -> Prepared:
-    """Parse and check the grid, validate every variant and plan it: all before any work."""
+    """Parse and check the grid, validate every variant and plan it: all before any work.
+
+    ``derive_cuts``: variants that differ in a frozen forward's cut read the deepest cut's stored float
+    features and run only the blocks between (:func:`pipeline.derive_cuts.share_bottom`), so the images
+    are decoded and the bottom runs once; ``rewrite`` is applied after that.
+    """
     texts = _override_texts(overrides)
     base, axes, variants = variant_recipes(recipe, grid, overrides=texts, random=random, seed=seed, note=note)
-    variants = apply_rewrite(variants, rewrite)
     root = resolve_store(None if store is None else str(store), base.store.path, writable=True)
-    return Prepared(base, axes, plan_sweep(variants, store=root, target=target), random, seed, str(root))
+    shared = apply_rewrite(apply_rewrite(variants, share_bottom) if derive_cuts else variants, rewrite)
+    try:
+        plan = plan_sweep(shared, store=root, target=target)
+    except GridError:
+        if not derive_cuts:
+            raise
+        # Rewritten, every variant of a cut group reads the deepest cut: one bad cut (out of the
+        # backbone) would fail them all. Planned as given, the error names the variant that has it.
+        plan_sweep(apply_rewrite(variants, rewrite), store=root, target=target)
+        raise
+    return Prepared(base, axes, plan, random, seed, str(root))
 
 
 def _sweep_dir(base: Recipe, output: str | Path | None, resume: str | Path | None) -> Path:
@@ -126,6 +142,7 @@ def run_sweep(
     quiet: bool = False,
     plan_only: bool = False,
     rewrite: Rewrite | None = None,
+    derive_cuts: bool = True,
     echo: Callable[[str], None] = print,
 ) -> SweepResult:
     """Run every variant of a grid of overrides, sharing what they share, and rank them.
@@ -138,7 +155,9 @@ def run_sweep(
     ``runs/<recipe>-sweep/<UTC time>``); an earlier sweep there (or at ``resume``) is resumed: its
     finished variants are not run again. ``target``: the trainer whose validation accuracy ranks
     the variants (default: the recipe's last target that trains). ``plan_only``: print the plan,
-    run nothing. ``rewrite``: applied to the list of variant recipes before they are planned.
+    run nothing. ``derive_cuts`` (default): a sweep over a frozen forward's cut runs the bottom once
+    and derives the other cuts from the deepest one's stored features (see :func:`prepare`).
+    ``rewrite``: applied to the list of variant recipes before they are planned.
 
     Writes ``sweep.json``, ``sweep.csv``, ``sweep.md``, ``sweep.png``, ``variants/<id>/`` (a run
     directory each) and ``best/`` (the best variant's model files).
@@ -161,7 +180,7 @@ def run_sweep(
         require("distributed")
     notes: list[str] = []
     prepared = prepare(recipe, grid, overrides=overrides, random=random, seed=seed, store=store,
-                       target=target, rewrite=rewrite, note=notes.append)
+                       target=target, rewrite=rewrite, derive_cuts=derive_cuts, note=notes.append)
     for line in notes:
         echo(line)
     plan, base = prepared.plan, prepared.base

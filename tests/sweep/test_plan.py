@@ -32,9 +32,20 @@ def test_downstream_settings_share_one_frozen_forward(recipe: Path, tmp_path: Pa
     assert plan.lines()[1] == "already stored, reused: nothing"
 
 
-def test_two_cuts_plan_two_frozen_forwards(recipe: Path, tmp_path: Path) -> None:
+def test_a_cut_sweep_runs_the_bottom_once_and_derives_the_other_cut(recipe: Path, tmp_path: Path) -> None:
     plan = prepare(recipe, [f"{CUT}=6,7", f"{LR}=0.01,0.03"], store=tmp_path / "store").plan
-    assert plan.count("forward") == 2 and plan.count("cache") == 2
+    # The images go through the bottom once, to cut 7; cut 6 runs one block on cut 7's stored features.
+    assert plan.count("forward") == 1 and plan.count("derivation") == 1
+    # Cut 7's float cache, then each cut's n-bit cache (cut 6's n-bit cache is built from the derivation).
+    assert plan.count("cache") == 3
+    assert plan.count("model") == 1 and plan.count("training") == 4
+    assert "1 cut derived from a deeper cut's stored features" in plan.lines()[0]
+
+
+def test_two_cuts_without_derivation_plan_two_frozen_forwards(recipe: Path, tmp_path: Path) -> None:
+    grid = [f"{CUT}=6,7", f"{LR}=0.01,0.03"]
+    plan = prepare(recipe, grid, store=tmp_path / "store", derive_cuts=False).plan
+    assert plan.count("forward") == 2 and plan.count("derivation") == 0 and plan.count("cache") == 2
     assert plan.count("model") == 1 and plan.count("training") == 4
 
 
