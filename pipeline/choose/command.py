@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from collections.abc import Callable
@@ -62,6 +63,10 @@ def add_parsers(sub: Any) -> None:
     ch.add_argument("--output", help="directory for choose.json, choose.md, winner.yaml and the "
                     "trainings' run records (default runs/<recipe>/choose-<time>)")
     ch.add_argument("--store", help="store directory (overrides the recipe's store.path)")
+    ch.add_argument("--executor", choices=("local", "dask"), default="local",
+                    help="where each rung's trainings run: one after another here (default), or as tasks on "
+                    "a local Dask cluster (as `sweep --executor dask`)")
+    ch.add_argument("--workers", type=int, default=2, help="dask: worker processes (default 2)")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -80,6 +85,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def cmd_choose(args: argparse.Namespace) -> int:
     from ..api import load_recipe
+    from .halving import TrainingFailed, train_candidates
     from .report import summary_line, table, write_outputs
     from .search import choose
     from .space import parse_space
@@ -94,9 +100,14 @@ def cmd_choose(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = choose(args.recipe, max_memory=args.max_memory, max_epoch_seconds=args.max_epoch_seconds,
-                    space=space, target=args.target, eta=args.eta, overrides=args.overrides,
-                    store=args.store, output=output, log=log)
+    train = functools.partial(train_candidates, executor=args.executor, workers=args.workers)
+    try:
+        result = choose(args.recipe, max_memory=args.max_memory, max_epoch_seconds=args.max_epoch_seconds,
+                        space=space, target=args.target, eta=args.eta, overrides=args.overrides,
+                        store=args.store, output=output, log=log, train=train)
+    except TrainingFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     paths = write_outputs(result, output, _command(args))
     print(table(result))
     print(f"wrote {paths['json']}, {paths['md']}; the winner's recipe: {paths['recipe']}")

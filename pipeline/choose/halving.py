@@ -6,10 +6,12 @@ trained for the recipe's full epochs. The number of rungs comes from the number 
 with ``n`` candidates, rung ``i`` keeps ``ceil(n / eta**i)`` of them, and the last rung (one
 candidate) trains ``epochs`` epochs, rung ``i`` ``epochs / eta**(R - i)`` (at least 1).
 
-Every training is a :func:`pipeline.api.run` of the recipe with the candidate's overrides, in one
-shared store: the backbone and each distinct cache are built once and every later training reuses
-them, and a training already stored (the same candidate at the same epochs, from an earlier choose)
-is reused, not repeated. A rung retrains from the start: the finetune checkpoint
+Each rung is a sweep (:func:`pipeline.sweep.run_sweep`) whose variants are the rung's candidates
+at the rung's epochs: planned before it runs, every variant recorded as it ends (a killed choose
+rerun with the same ``--output`` skips what finished), run here or on Dask, in one shared store: the
+backbone and each distinct cache are built once and every later training reuses them, and a
+training already stored (the same candidate at the same epochs, from an earlier choose) is reused,
+not repeated. A rung retrains from the start: the finetune checkpoint
 (``pipeline.methods.checkpoint``) belongs to the stage's fingerprint, which holds the epoch count,
 and the learning rate schedule is a function of the total epochs, so a 3-epoch run is not the first
 3 epochs of a 9-epoch run and cannot be continued into one.
@@ -21,13 +23,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ..api import run
-from ..errors import BudgetError
+from ..errors import BudgetError, PipelineError
 from ..recipe import Recipe
+from ..sweep import run_sweep
 from .meter import candidate_recipe
 from .space import Candidate
+
+
+class TrainingFailed(PipelineError, RuntimeError):
+    """A candidate's training failed while working (not bad input): ``choose`` stops, exit 1."""
 
 
 @dataclass
@@ -50,24 +55,33 @@ class Trained:
 def train_candidates(
     recipe: str | Path | Recipe, candidates: list[Candidate], epochs: int, *, target: str,
     store: str | Path | None, output: Path, log: Callable[[str], None] = print, rung: int = 0,
+    executor: str = "local", workers: int | None = 2,
 ) -> list[Trained]:
-    """Train each candidate for ``epochs`` epochs (a run of the recipe with its overrides, in ``store``)."""
+    """Train each candidate for ``epochs`` epochs: one sweep over them, in ``output/rungs/``."""
+    epochs_key = f"stages.{target}.train.epochs"
+    points = [{**c.overrides, epochs_key: epochs} for c in candidates]
+    # The candidates' recipes exactly as written (no derived cuts): winner.yaml, run again, then
+    # reuses the winner's stored training.
+    sweep = run_sweep(recipe, points=points, overrides={"targets": [target]}, target=target, store=store,
+                      output=output / "rungs" / f"rung{rung}-e{epochs}", executor=executor, workers=workers,
+                      quiet=True, derive_cuts=False, echo=lambda line: log(f"[rung {rung}] {line}"))
     results = []
-    for i, candidate in enumerate(candidates):
-        resolved = candidate_recipe(recipe, candidate, target, {f"stages.{target}.train.epochs": epochs})
-        result = run(resolved, store=store, output=output / "runs" / f"{candidate.id}-e{epochs}", quiet=True)
-        metrics: dict[str, Any] = result.outputs[target]
-        report = result.stages[target]
-        built = [r for r in result.stages.values()
-                 if r.name != target and r.status == "computed" and resolved.stages[r.name].cacheable]
-        losses, best = metrics.get("val_loss_all") or [], metrics.get("best_epoch")
+    for i, (candidate, record) in enumerate(zip(candidates, sweep.variants, strict=True)):
+        if record["status"] != "finished":
+            raise TrainingFailed(f"candidate {candidate.id} ({candidate.describe()}) {record['status']} in "
+                                 f"rung {rung}: {record.get('error', 'see its run record')} "
+                                 f"({sweep.sweep_dir / record['run_dir']})")
+        stages = record["stages"]
+        resolved = candidate_recipe(recipe, candidate, target)
+        built = [n for n, s in stages.items()
+                 if n != target and s["status"] == "computed" and resolved.stages[n].cacheable]
         trained = Trained(
-            candidate=candidate.id, epochs=epochs, val_accuracy=float(metrics["best_val_accuracy"]),
-            val_loss=losses[best] if isinstance(best, int) and best < len(losses) else None,
-            test_accuracy=float(metrics["accuracy"]), epoch_seconds=float(metrics["epoch_seconds_steady"]),
-            train_seconds=report.seconds if report.status == "computed" else 0.0,
-            build_seconds=sum(r.seconds for r in built), built=[r.name for r in built], status=report.status,
-            run_dir=str(result.run_dir),
+            candidate=candidate.id, epochs=epochs, val_accuracy=float(record["val_accuracy"]),
+            val_loss=record.get("val_loss"), test_accuracy=float(record["test_accuracy"]),
+            epoch_seconds=float(record["epoch_seconds_steady"]),
+            train_seconds=float(stages[target]["seconds"]) if record["trained"] == "computed" else 0.0,
+            build_seconds=sum(stages[n]["seconds"] for n in built), built=built, status=record["trained"],
+            run_dir=str(sweep.sweep_dir / record["run_dir"]),
         )
         extra = f"; built {', '.join(trained.built)} in {trained.build_seconds:.1f}s" if built else ""
         log(f"[rung {rung}, {epochs} epoch{'s' if epochs != 1 else ''}, {i + 1}/{len(candidates)}] "

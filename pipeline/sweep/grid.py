@@ -160,6 +160,36 @@ def check_keys(axes: Sequence[Axis], full: Mapping[str, Any], overrides: Sequenc
                                 f"a field {part!r}")
 
 
+def axes_of_points(points: Sequence[Mapping[str, Any]]) -> tuple[list[Axis], list[tuple[int, ...]]]:
+    """(axes, one value index per axis for each point) of explicit variants (``{key: value}`` each,
+    all with the same keys), so they run as a sweep runs its grid's points: a search that picks its
+    variants itself (``choose``'s rungs) gets the sweep's planning, records and executors."""
+    if not points:
+        raise GridError("no variants given: the list of points is empty")
+    keys = list(points[0])
+    if not keys:
+        raise GridError("point 1 sets no key: give each variant its {key: value} overrides")
+    texts: dict[str, list[str]] = {key: [] for key in keys}
+    values: dict[str, list[Any]] = {key: [] for key in keys}
+    combos = []
+    for n, point in enumerate(points, 1):
+        if set(point) != set(keys):
+            raise GridError(f"point {n} sets {sorted(point)}, point 1 {sorted(keys)}: every point sets the "
+                            "same keys")
+        combo = []
+        for key in keys:
+            text = _yaml_value(str(key), point[key])
+            if text not in texts[key]:
+                texts[key].append(text)
+                values[key].append(point[key])
+            combo.append(texts[key].index(text))
+        combos.append(tuple(combo))
+    axes = [Axis(key, tuple(values[key]), tuple(texts[key])) for key in keys]
+    if len(set(combos)) < len(combos):
+        raise GridError("two points set the same values: each variant would be run twice")
+    return axes, combos
+
+
 def combinations(axes: Sequence[Axis]) -> list[tuple[int, ...]]:
     """Every variant of the cross product, as one value index per axis, the first axis slowest."""
     return list(itertools.product(*(range(len(a.values)) for a in axes)))

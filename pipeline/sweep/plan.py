@@ -23,7 +23,7 @@ from ..graph import Graph
 from ..recipe import Recipe
 from ..runner import PlanRow
 from ..spec import MODEL, RESULT, STREAM
-from .grid import Axis, GridError, axes_from, check_keys, combinations, sample
+from .grid import Axis, GridError, axes_from, axes_of_points, check_keys, combinations, sample
 
 # Stage types that run a frozen bottom over their input stream: what "a frozen forward" counts.
 FORWARD_TYPES = frozenset({"frozen_forward"})
@@ -113,8 +113,9 @@ def _counted(n: int, what: str) -> str:
 
 def variant_recipes(
     recipe: RecipeLike,
-    grid: Sequence[str] | Mapping[str, Iterable[Any]],
+    grid: Sequence[str] | Mapping[str, Iterable[Any]] | None,
     *,
+    points: Sequence[Mapping[str, Any]] | None = None,
     overrides: Sequence[str] = (),
     random: int | None = None,
     seed: int = 0,
@@ -122,13 +123,22 @@ def variant_recipes(
 ) -> tuple[Recipe, list[Axis], list[Variant]]:
     """(the base recipe, the grid's axes, one validated :class:`Variant` per grid point).
 
+    ``points``, instead of a grid: the variants themselves, ``{key: value}`` each (all with the same keys).
+
     Bad input raises :class:`~pipeline.sweep.grid.GridError` (or the recipe's own error for the base
     recipe) before anything is planned; every variant that does not validate is named.
     """
     base = load_recipe(recipe, list(overrides))
-    axes = axes_from(grid)
+    if (grid is None) == (points is None):
+        raise GridError("give a grid (--grid KEY=V1,V2,...) or the points to run, one of the two")
+    if points is not None:
+        axes, combos = axes_of_points(points)
+    else:
+        assert grid is not None
+        axes = axes_from(grid)
+        combos = combinations(axes)
     check_keys(axes, base.full_dict(), overrides)
-    picked = sample(combinations(axes), random, seed, note=note)
+    picked = sample(combos, random, seed, note=note)
     # A file is loaded again per variant (not the base), so errors name its lines and the --grid
     # that set a field; a dict or Recipe has no lines to name.
     from_file = isinstance(recipe, str | Path)

@@ -50,6 +50,14 @@ def _first_number(metrics: dict[str, Any], names: tuple[str, ...]) -> float | No
     return None
 
 
+def _best_val_loss(metrics: dict[str, Any]) -> float | None:
+    """The validation loss of the epoch the stored model comes from (ties of accuracy break on it)."""
+    losses, best = metrics.get("val_loss_all"), metrics.get("best_epoch")
+    if isinstance(losses, list) and isinstance(best, int) and 0 <= best < len(losses):
+        return _first_number({"loss": losses[best]}, ("loss",))
+    return None
+
+
 def ended_record(p: VariantPlan, outcome: dict[str, Any]) -> dict[str, Any]:
     """The record of a variant that ran: ``outcome`` is what :func:`pipeline.sweep.execute.run_variant`
     returned (its run's ``summary.json``, seconds, or the error that ended it)."""
@@ -68,6 +76,9 @@ def ended_record(p: VariantPlan, outcome: dict[str, Any]) -> dict[str, Any]:
         train_seconds=stage.get("seconds"),
         trained=stage.get("status"),  # computed, or reused: the store held this exact training already
         epoch_seconds=_first_number(metrics, ("epoch_seconds",)),
+        # per epoch without the first, one-off one (warm-up, caches filling) when there are more
+        epoch_seconds_steady=_first_number(metrics, ("epoch_seconds_steady", "epoch_seconds")),
+        val_loss=_best_val_loss(metrics),
         memory_total_bytes=_first_number(metrics, ("memory_total_bytes",)),
         memory_activation_bytes=_first_number(metrics, ("memory_activation_bytes",)),
         stages={s["name"]: {"status": s["status"], "seconds": s["seconds"]}

@@ -69,8 +69,9 @@ class SweepResult:
 
 def prepare(
     recipe: RecipeLike,
-    grid: Sequence[str] | Mapping[str, Iterable[Any]],
+    grid: Sequence[str] | Mapping[str, Iterable[Any]] | None = None,
     *,
+    points: Sequence[Mapping[str, Any]] | None = None,
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
     random: int | None = None,
     seed: int = 0,
@@ -87,7 +88,8 @@ def prepare(
     are decoded and the bottom runs once; ``rewrite`` is applied after that.
     """
     texts = _override_texts(overrides)
-    base, axes, variants = variant_recipes(recipe, grid, overrides=texts, random=random, seed=seed, note=note)
+    base, axes, variants = variant_recipes(recipe, grid, points=points, overrides=texts, random=random,
+                                           seed=seed, note=note)
     root = resolve_store(None if store is None else str(store), base.store.path, writable=True)
     shared = apply_rewrite(apply_rewrite(variants, share_bottom) if derive_cuts else variants, rewrite)
     try:
@@ -127,8 +129,9 @@ def _check_earlier(sweep_dir: Path, base: Recipe) -> dict[str, Any] | None:
 
 def run_sweep(
     recipe: RecipeLike,
-    grid: Sequence[str] | Mapping[str, Iterable[Any]],
+    grid: Sequence[str] | Mapping[str, Iterable[Any]] | None = None,
     *,
+    points: Sequence[Mapping[str, Any]] | None = None,
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
     random: int | None = None,
     seed: int = 0,
@@ -147,17 +150,18 @@ def run_sweep(
 ) -> SweepResult:
     """Run every variant of a grid of overrides, sharing what they share, and rank them.
 
-    ``grid``: ``["KEY=V1,V2", ...]`` as ``--grid`` takes them, or ``{"KEY": [V1, V2]}``; the cross
-    product runs, or ``random`` distinct samples of it drawn with ``seed``. ``overrides`` apply to
-    every variant (``--set``). ``executor``: ``local`` (one variant after another, here) or ``dask``
-    (shared caches built here first, then one task per variant on a local cluster of ``workers``
+    ``grid``: ``["KEY=V1,V2", ...]`` as ``--grid`` takes them, or ``{"KEY": [V1, V2]}``; the cross product
+    runs, or ``random`` distinct samples of it drawn with ``seed``. ``points`` instead: the variants
+    themselves, ``[{"KEY": V, ...}, ...]`` (a search that picks them, as ``choose`` does). ``overrides``
+    apply to every variant (``--set``). ``executor``: ``local`` (one variant after another, here) or
+    ``dask`` (shared caches built here first, then one task per variant on a local cluster of ``workers``
     processes, or on the scheduler at ``address``). ``output``: the sweep directory (default
     ``runs/<recipe>-sweep/<UTC time>``); an earlier sweep there (or at ``resume``) is resumed: its
-    finished variants are not run again. ``target``: the trainer whose validation accuracy ranks
-    the variants (default: the recipe's last target that trains). ``plan_only``: print the plan,
-    run nothing. ``derive_cuts`` (default): a sweep over a frozen forward's cut runs the bottom once
-    and derives the other cuts from the deepest one's stored features (see :func:`prepare`).
-    ``rewrite``: applied to the list of variant recipes before they are planned.
+    finished variants are not run again. ``target``: the trainer whose validation accuracy ranks the
+    variants (default: the recipe's last target that trains). ``plan_only``: print the plan, run nothing.
+    ``derive_cuts`` (default): a sweep over a frozen forward's cut runs the bottom once and derives the
+    other cuts from the deepest one's stored features (see :func:`prepare`). ``rewrite``: applied to the
+    list of variant recipes before they are planned.
 
     Writes ``sweep.json``, ``sweep.csv``, ``sweep.md``, ``sweep.png``, ``variants/<id>/`` (a run
     directory each) and ``best/`` (the best variant's model files).
@@ -179,8 +183,9 @@ def run_sweep(
 
         require("distributed")
     notes: list[str] = []
-    prepared = prepare(recipe, grid, overrides=overrides, random=random, seed=seed, store=store,
-                       target=target, rewrite=rewrite, derive_cuts=derive_cuts, note=notes.append)
+    prepared = prepare(recipe, grid, points=points, overrides=overrides, random=random, seed=seed,
+                       store=store, target=target, rewrite=rewrite, derive_cuts=derive_cuts,
+                       note=notes.append)
     for line in notes:
         echo(line)
     plan, base = prepared.plan, prepared.base

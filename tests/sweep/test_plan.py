@@ -98,3 +98,17 @@ def test_the_ranking_target_must_be_a_target(recipe: Path, tmp_path: Path) -> No
         prepare(recipe, [f"{LR}=0.01"], store=tmp_path / "store", target="features")
     with pytest.raises(GridError, match="include no trainer"):
         prepare(recipe, ["targets=[cache]"], store=tmp_path / "store")
+
+
+def test_explicit_points_are_planned_as_grid_points(recipe: Path, tmp_path: Path) -> None:
+    # A search that picks its own variants (choose's rungs) runs them through the sweep as points.
+    points = [{LR: 0.003, EPOCHS: 1}, {LR: 0.03, EPOCHS: 2}, {LR: 0.003, EPOCHS: 2}]
+    plan = prepare(recipe, points=points, store=tmp_path / "store").plan
+    assert [p.variant.values for p in plan.variants] == points
+    assert plan.count("forward") == 1 and plan.count("training") == 3
+    with pytest.raises(GridError, match="point 2 sets .* every point sets the same keys"):
+        prepare(recipe, points=[{LR: 0.003}, {EPOCHS: 2}], store=tmp_path / "store")
+    with pytest.raises(GridError, match="two points set the same values"):
+        prepare(recipe, points=[{LR: 0.003}, {LR: 0.003}], store=tmp_path / "store")
+    with pytest.raises(GridError, match="give a grid .* or the points"):
+        prepare(recipe, store=tmp_path / "store")
