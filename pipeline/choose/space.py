@@ -28,10 +28,10 @@ from pydantic import BaseModel
 from ..errors import RecipeError, did_you_mean
 from ..graph import Graph
 from ..methods.finetune import Finetune
-from ..recipe import Recipe, load_yaml
+from ..recipe import Recipe
 from ..stages.forward import FrozenForward
 from ..stages.quantize import Quantize
-from ..sweep.grid import split_values
+from ..sweep.grid import GridError, parse_axis
 
 KNOBS = ("arch", "cut", "bits", "method")
 DEFAULT_BITS = (2, 4, 8)
@@ -45,28 +45,19 @@ LABEL_FIELD = {"tinytl": "mode", "mobiletl": "variant"}
 def parse_space(texts: list[str]) -> dict[str, list[Any]]:
     """``["bits=2,4", "method=vanilla,tinytl"]`` -> ``{"bits": [2, 4], "method": ["vanilla", "tinytl"]}``.
 
-    Each value is read as YAML, as ``--set`` reads it (``4`` is an int, ``{type: tinytl}`` a mapping).
+    The sweep's ``--grid`` syntax (:func:`pipeline.sweep.grid.parse_axis`): each value is YAML, as
+    ``--set`` reads it (``4`` is an int, ``{type: tinytl}`` a mapping); commas inside brackets stay.
     """
     space: dict[str, list[Any]] = {}
     for text in texts:
-        key, sep, raw = text.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise RecipeError(f"--space expects KEY=V1,V2,... (e.g. bits=2,4,8), got {text!r}")
-        if key in space:
-            raise RecipeError(f"--space {key}: given twice; list every value in one --space {key}=V1,V2")
-        if not raw.strip():
-            raise RecipeError(f"--space {text!r}: no values (expected {key}=V1,V2,...)")
-        values = []
-        for value in split_values(raw):  # the sweep's --grid syntax
-            if not value:
-                raise RecipeError(f"--space {text!r}: empty value (expected {key}=V1,V2,... with no empty "
-                                  "entries)")
-            try:
-                values.append(load_yaml(value))
-            except yaml.YAMLError as exc:
-                raise RecipeError(f"--space {text!r}: {value!r} is not valid YAML: {exc}") from None
-        space[key] = values
+        try:
+            axis = parse_axis(text)
+        except GridError as exc:
+            raise RecipeError(str(exc).replace("--grid", "--space")) from None
+        if axis.key in space:
+            raise RecipeError(f"--space {axis.key}: given twice; list every value in one --space "
+                              f"{axis.key}=V1,V2")
+        space[axis.key] = list(axis.values)
     return space
 
 

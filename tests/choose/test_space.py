@@ -39,11 +39,12 @@ def test_values_are_yaml_and_commas_inside_brackets_stay(quick) -> None:  # type
 
 
 @pytest.mark.parametrize(("texts", "expected"), [
-    (["bits"], "expects KEY=V1,V2"),
+    (["bits"], "--space 'bits': expected KEY=V1,V2"),
     (["bits="], "no values"),
-    (["bits=2,,4"], "empty value"),
+    (["bits=2,,4"], "value 2 is empty"),
+    (["bits=2,2"], "given twice"),
     (["bits=2", "bits=4"], "given twice"),
-    (["=2"], "expects KEY=V1,V2"),
+    (["=2"], "is not a dotted field path"),
 ])
 def test_bad_space_texts(texts: list[str], expected: str) -> None:
     with pytest.raises(RecipeError, match=expected):
