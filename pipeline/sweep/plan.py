@@ -279,4 +279,4 @@ def _forwards_pulled(name: str, by_name: Mapping[str, PlanRow], recipe: Recipe) 
         return row.kind == STREAM and not recipe.stages[row.name].cacheable
 
     return sorted(n for n in _walk(by_name[name].inputs.values(), by_name, stream)
-                  if by_name[n].type in FORWARD_TYPES)
+                  if category(recipe, by_name[n]) == "forward")  # not a derivation from stored features

@@ -40,6 +40,8 @@ def test_a_cut_sweep_runs_the_bottom_once_and_derives_the_other_cut(recipe: Path
     assert plan.count("cache") == 3
     assert plan.count("model") == 1 and plan.count("training") == 4
     assert "1 cut derived from a deeper cut's stored features" in plan.lines()[0]
+    # Only cut 7's float cache runs the images through the bottom; the n-bit caches read stored features.
+    assert len(plan.forward_passes) == 1 and "passes" not in plan.lines()[0]
 
 
 def test_two_cuts_without_derivation_plan_two_frozen_forwards(recipe: Path, tmp_path: Path) -> None:
