@@ -25,6 +25,7 @@ from .data.image_folder import SkippedSamplesWarning
 from .errors import stage_of
 from .runner import Runner, StageReport
 from .spec import RESULT
+from .stages.derived_cut import blocks_run
 
 DISTRIBUTION = "ondevice-tl"
 
@@ -310,9 +311,9 @@ def write_run_outputs(
         lines += ["", "Derived from stored features (only the blocks between the two cuts ran):", ""]
         for s in derived:
             m = s["metrics"]
-            source, (a, b) = m["derived_from"], m["derived_from"]["blocks"]
+            source = m["derived_from"]
             rate = f" ({m['samples_per_s']:.0f} samples/s)" if _number(m.get("samples_per_s")) else ""
-            blocks = f"blocks {a}..{b - 1}" if b > a else "no blocks"
+            blocks = blocks_run(*source["blocks"])
             lines.append(f"- `{s['name']}`: cut {source['train_last_blocks']} of `{source['stream']}` "
                          f"(`{str(source['fingerprint'])[:12]}`), {blocks}: {m['samples']} samples in "
                          f"{m['seconds']:.2f} s{rate}")

@@ -135,9 +135,19 @@ def plan_note(spec: Spec) -> str:
     """What ``python -m pipeline plan`` says about a derived stream."""
     source, cut = spec.meta["derived_from"], spec.cut
     assert cut is not None
-    a, b = source["blocks"]
-    blocks = f"blocks {a}..{b - 1}" if b > a else "no blocks (the stored cut itself)"
+    blocks = blocks_run(*source["blocks"]) + ("" if blocks_ran(source) else " (the stored cut itself)")
     return f"cut {source['train_last_blocks']} -> {cut.train_last_blocks}: {blocks} on `{source['stream']}`"
+
+
+def blocks_ran(derived_from: dict[str, Any]) -> bool:
+    """Whether a derivation ran any block (the deepest cut of a cut sweep reads its own stored features)."""
+    first, stop = derived_from["blocks"]
+    return bool(stop > first)
+
+
+def blocks_run(first: int, stop: int) -> str:
+    """The blocks a derivation runs, as plans and run reports name them."""
+    return f"blocks {first}..{stop - 1}" if stop > first else "no blocks"
 
 
 class DerivedForwardStream(Stream):
