@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .codec.features import DequantizedStream
+from .codec.features import DEVICE_KEYS, MOVE_KEYS, DequantizedStream
 from .codec.moves import CropFlip
 from .graph import Graph
 from .ops.batching import Batch, batch_size_of
@@ -26,6 +27,9 @@ from .stage import Stage
 from .stages.feature_aug import FeatureAugment
 from .stages.quantize import Dequantize
 from .stream import Stream, StreamStats
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AugmentWhileDequantizing(Stream):
@@ -38,8 +42,10 @@ class AugmentWhileDequantizing(Stream):
     """
 
     def __init__(self, source: Stream, dequantized: DequantizedStream,
-                 draw: Callable[[Batch, int, int], CropFlip], splits: tuple[str, ...]) -> None:
+                 draw: Callable[[Batch, int, int], CropFlip], splits: tuple[str, ...],
+                 grid: tuple[int, int, int] | None = None) -> None:
         self.source = source
+        self.grid = grid  # (prefix tokens, h, w) the moves act on; None: the maps' own (0, H, W)
         self.dequantized = dequantized
         self.draw = draw
         self.splits = splits
@@ -62,6 +68,29 @@ class AugmentWhileDequantizing(Stream):
                 self.stats.add(t1 - t0, n)
             yield out
 
+    def open_coded(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+                   start: int = 0) -> Iterator[Batch]:
+        """The batches :meth:`open` would decode, still coded, with the moves drawn for them as tensors
+        (``dy``, ``dx``, ``flip``) on the device: :meth:`decode_coded` of each gives :meth:`open`'s maps,
+        bit for bit. For a trainer that decodes in its own (CUDA-graph-captured) step."""
+        batches = self.dequantized.fed(
+            self.source.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)
+        )
+        for batch in batches:
+            n = batch_size_of(batch)
+            t0 = time.perf_counter()
+            out = {key: value for key, value in batch.items() if key in DEVICE_KEYS}
+            if split in self.splits and n:
+                crop = self.draw(batch, epoch, seed)
+                device = next(v.device for k, v in out.items() if k != "y")
+                out.update(zip(MOVE_KEYS, crop.move_tensors(device), strict=True))
+                self.stats.add(time.perf_counter() - t0, n)
+            yield out
+
+    def decode_coded(self, batch: Batch) -> torch.Tensor:
+        """The float32 maps of a batch of :meth:`open_coded` (moved where it carries moves)."""
+        return self.dequantized.decode_coded(batch, self.grid)
+
     def stored_bytes(self) -> int:
         return self.dequantized.stored_bytes()
 
@@ -70,7 +99,8 @@ def fuse_dequantize_augment(augment: FeatureAugment, source: Stream,
                             dequantized: DequantizedStream) -> AugmentWhileDequantizing:
     """The feature_aug stage ``augment`` over ``dequantized``, computed while dequantizing ``source``."""
     prefix, h, w = dequantized.spec.feature_grid(dequantized.shape)
-    return AugmentWhileDequantizing(source, dequantized, augment.crop_drawer(h, w, prefix), augment.splits)
+    return AugmentWhileDequantizing(source, dequantized, augment.crop_drawer(h, w, prefix), augment.splits,
+                                    (prefix, h, w))
 
 
 @dataclass(frozen=True)

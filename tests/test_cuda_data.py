@@ -209,6 +209,45 @@ def test_stage_b_from_a_stored_entry_on_the_device_gives_the_cpu_epochs(
             assert torch.equal(bits_of(a["x"]), bits_of(b["x"]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("augment", [True, False])
+def test_coded_batches_decoded_in_the_step_give_the_stream_bits(
+    coded_entry: Path, device: str, augment: bool
+) -> None:
+    """A graphed training step reads the batches still coded (``open_coded``) and decodes them itself
+    (``decode_coded``): the same maps, bit for bit, as the stream's own decoding, moves included."""
+    from pipeline.fusion import fuse_dequantize_augment
+    from pipeline.ops.batching import rechunk
+    from pipeline.stages.feature_aug import FeatureAugment
+
+    dev = torch.device(device)
+    stored = StoredStream(coded_entry, prefetch_depth=2, device=dev)
+    dq = DequantizedStream(stored, decoded_spec(stored.spec), device=dev)
+    stream: Any = dq
+    if augment:
+        stream = fuse_dequantize_augment(FeatureAugment(input="deq", crop_padding=1, hflip=0.5), stored, dq)
+    for split, epoch in (("train", 0), ("train", 1), ("val", 0)):
+        want = torch.cat([b["x"].cpu() for b in stream.open(split, epoch=epoch, shuffle=True, seed=3)])
+        coded = list(rechunk(stream.open_coded(split, epoch=epoch, shuffle=True, seed=3), 16))
+        assert all(v.device.type == dev.type for b in coded for v in b.values())
+        moved = augment and split == "train"
+        assert all(("dy" in b) == moved for b in coded)
+        got = torch.cat([stream.decode_coded(b).cpu() for b in coded])
+        assert torch.equal(bits_of(got), bits_of(want)), (split, epoch)
+
+
+def test_the_trainer_moves_dict_inputs_like_tensors() -> None:
+    from pipeline.methods.amp import to_device as pairs_to_device
+
+    pairs = [({"codes": torch.arange(4), "dy": torch.zeros(4)}, torch.arange(4, dtype=torch.int32))]
+    (x, y), = list(pairs_to_device(pairs, "cpu"))
+    assert set(x) == {"codes", "dy"} and y.dtype == torch.int64
+    if HAS_CUDA:
+        (x, y), = list(pairs_to_device(pairs, "cuda"))
+        assert all(v.is_cuda for v in x.values()) and y.is_cuda
+        assert torch.equal(x["codes"].cpu(), torch.arange(4))
+
+
 def test_resident_splits_are_admitted_train_first_and_only_on_a_gpu(coded_entry: Path) -> None:
     cpu = StoredStream(coded_entry, keep_on_device_bytes=1 << 30, device=torch.device("cpu"))
     assert not cpu.on_device("train") and cpu.device_bytes() == 0  # ignored without a GPU

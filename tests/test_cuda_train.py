@@ -280,3 +280,118 @@ def test_fake_quantization_search_runs_on_cuda() -> None:
         cpu.set_scheme(scheme)
         gpu.set_scheme(scheme)
         assert cpu.accuracy(x, y) == pytest.approx(gpu.accuracy(x.to(CUDA), y.to(CUDA)), abs=1 / 32)
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+def small_net() -> nn.Module:
+    """Conv, batch norm, ReLU, pooling, linear: no dropout, so a graphed and an eager run draw nothing
+    random and must agree to rounding."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))
+
+
+def uneven_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four batches of 16 and a short one of 7: the short one runs the graph's eager twin."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+            for n in (16, 16, 16, 16, 7)]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_graphed_step_trains_as_the_eager_step(optimizer: str, precision: str) -> None:
+    data = uneven_batches()
+    states, results = {}, {}
+    for mode in ("on", "off"):
+        model = small_net().to(CUDA)
+        cfg = TrainConfig(epochs=3, lr=0.01, optimizer=optimizer, precision=precision, cuda_graph=mode,
+                          weight_decay=0.01, grad_clip=5.0)
+        results[mode] = train(model, model.parameters(), lambda e: iter(data), lambda: iter(data[:2]), cfg,
+                              checkpoint_dir=None)
+        states[mode] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    assert results["on"].cuda_graph and not results["off"].cuda_graph
+    tol = 1e-5 if precision == "fp32" else 2e-3
+    for key, value in states["off"].items():
+        assert torch.allclose(states["on"][key].float(), value.float(), atol=tol, rtol=0), key
+    for a, b in zip(results["on"].history, results["off"].history, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=tol, abs=tol)
+        assert abs(a["train_acc"] - b["train_acc"]) <= (0 if precision == "fp32" else 2) / 71
+        assert a["samples"] == b["samples"] == 71
+
+
+def test_a_graphed_run_and_an_eager_run_resume_each_other(tmp_path: Path) -> None:
+    data = uneven_batches(1)
+    whole = small_net().to(CUDA)
+    train(whole, whole.parameters(), lambda e: iter(data), None, TrainConfig(epochs=3, lr=0.01),
+          checkpoint_dir=tmp_path / "a", resume_key="k")
+    for first, then in (("on", "off"), ("off", "on")):
+        part = small_net().to(CUDA)
+        with pytest.raises(Interrupted):
+            train(part, part.parameters(), lambda e: iter(data), None,
+                  TrainConfig(epochs=3, lr=0.01, cuda_graph=first), checkpoint_dir=tmp_path / first,
+                  resume_key="k", on_epoch=interrupt_after_first_epoch)
+        again = small_net().to(CUDA)
+        result = train(again, again.parameters(), lambda e: iter(data), None,
+                       TrainConfig(epochs=3, lr=0.01, cuda_graph=then), checkpoint_dir=tmp_path / first,
+                       resume_key="k")
+        assert result.resumed_from == 1 and result.cuda_graph == (then == "on")
+        for (k, a), b in zip(whole.state_dict().items(), again.state_dict().values(), strict=True):
+            assert torch.allclose(a.float(), b.float(), atol=1e-5, rtol=0), (first, then, k)
+
+
+def test_a_nan_loss_in_a_graphed_epoch_is_named() -> None:
+    from pipeline.errors import ModelError
+
+    data = uneven_batches(2)
+    data[1] = (torch.full_like(data[1][0], float("nan")), data[1][1])
+    model = small_net().to(CUDA)
+    with pytest.raises(ModelError, match="diverged.*epoch 0.*cuda_graph: off"):
+        train(model, model.parameters(), lambda e: iter(data), None, TrainConfig(epochs=1, cuda_graph="on"),
+              checkpoint_dir=None)
+
+
+CODED_RECIPE: dict[str, Any] = {
+    "name": "cuda_graph_two_stage",
+    "run": {"device": "cuda"},
+    "stages": {
+        "digits": {"type": "digits"},
+        "target": {"type": "split", "input": "digits", "classes": [5, 6, 7, 8, 9], "per_class": 40,
+                   "val_fraction": 0.2, "test_fraction": 0.2},
+        "backbone": {"type": "backbone", "arch": "mobilenet_v2", "width_mult": 0.35, "small_input": True,
+                     "num_classes": 5},
+        "images": {"type": "decode", "input": "target", "resolution": 16},
+        "features": {"type": "frozen_forward", "input": "images", "model": "backbone",
+                     "train_last_blocks": 4},
+        "quantized": {"type": "quantize", "input": "features", "bits": 2},
+        "cache": {"type": "cache", "input": "quantized"},
+        "deq": {"type": "dequantize", "input": "cache"},
+        "faug": {"type": "feature_aug", "input": "deq", "crop_padding": 1, "hflip": 0.5},
+        "graphed": {"type": "finetune", "model": "backbone", "features": "faug", "batch_size": 16,
+                    "train": {"epochs": 3, "cuda_graph": "on"}},
+        "eager": {"type": "finetune", "model": "backbone", "features": "faug", "batch_size": 16,
+                  "train": {"epochs": 3, "cuda_graph": "off"}},
+    },
+    "targets": ["graphed", "eager"],
+}
+
+
+def test_two_stage_on_cuda_decodes_the_resident_codes_inside_the_graph(tmp_path: Path) -> None:
+    recipe = recipe_from_dict(CODED_RECIPE)
+    ctx = RunContext(catalog=Catalog(tmp_path / "store"), output_dir=tmp_path / "run", device="cuda")
+    reports = {r.name: r.metrics for r in Runner(recipe, ctx).run()}
+    graphed, eager = reports["graphed"], reports["eager"]
+    assert graphed["cuda_graph"] is True and eager["cuda_graph"] is False
+    # Same data, schedule and kernels; only dropout's random draws differ: the curves stay close.
+    assert graphed["train_loss_all"][0] == pytest.approx(eager["train_loss_all"][0], rel=0.1)
+    assert abs(graphed["accuracy"] - eager["accuracy"]) <= 0.25
+
+
+def test_cuda_graph_on_is_refused_where_it_cannot_capture(tmp_path: Path) -> None:
+    from pipeline.errors import StageError
+
+    spec = copy.deepcopy(CODED_RECIPE)
+    spec["stages"]["graphed"]["train"]["precision"] = "fp16"
+    ctx = RunContext(catalog=Catalog(tmp_path / "store"), device="cuda")
+    with pytest.raises(StageError, match="stages.graphed.*cuda_graph: on.*fp16"):
+        Runner(recipe_from_dict(spec), ctx)

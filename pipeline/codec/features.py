@@ -22,13 +22,14 @@ from ..stream import MapStream, Stream
 if TYPE_CHECKING:
     import torch
 
-    from . import bitpack, native, quantile
+    from . import bitpack, moves, native, quantile
     from .moves import CropFlip
 else:
     torch = lazy_module("torch")
     bitpack = lazy_module("pipeline.codec.bitpack")
     native = lazy_module("pipeline.codec.native")
     quantile = lazy_module("pipeline.codec.quantile")
+    moves = lazy_module("pipeline.codec.moves")
 
 FLOAT_BITS = {16: "float16", 32: "float32"}
 
@@ -106,6 +107,8 @@ def encoded(parent: Stream, spec: Spec, bits_for: Callable[[str], int], k: float
 # What a training step needs on its device: the coded maps and the labels (sample ids stay on the
 # host, where seeded feature augmentation reads them).
 DEVICE_KEYS = ("codes", "lo", "scale", "x", "y")
+# A batch's moves (crop and flip) as :meth:`CropFlip.move_tensors` gives them, beside its coded maps.
+MOVE_KEYS = ("dy", "dx", "flip")
 
 
 class DequantizedStream(MapStream):
@@ -147,6 +150,36 @@ class DequantizedStream(MapStream):
             out = self.decode(batch)
             self.stats.add(time.perf_counter() - t0, batch_size_of(out))
             yield out
+
+    def open_coded(self, split: str, *, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+                   start: int = 0) -> Iterator[Batch]:
+        """``split``'s batches as stored (``codes``/``lo``/``scale`` or a float16 ``x``, and ``y``), on this
+        stream's device: :meth:`decode_coded` makes the maps. A trainer that decodes in its own step can
+        capture the decoding with the step (``pipeline.methods.graphed``)."""
+        for batch in self.fed(self.parent.open(split, epoch=epoch, shuffle=shuffle, seed=seed, start=start)):
+            yield {key: value for key, value in batch.items() if key in DEVICE_KEYS}
+
+    def decode_coded(self, batch: Batch, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """float32 maps of a batch of :meth:`open_coded`, moved by its ``dy``/``dx``/``flip`` where it has
+        them (on the (prefix, h, w) ``grid``, default the maps' own): the bits :meth:`decode` gives, made
+        with torch ops alone, which wait for nothing on the host (capturable in a CUDA graph)."""
+        moved = all(key in batch for key in MOVE_KEYS)
+        source = pad_rows = pad_cols = None
+        prefix, h, w = grid if grid is not None else (0, self.shape[1], self.shape[2])
+        if moved:
+            source, pad_rows, pad_cols = moves.move_positions(batch["dy"], batch["dx"], batch["flip"], h, w,
+                                                              prefix)
+        if "codes" in batch:
+            q = quantile.QuantizedBatch(codes=batch["codes"], lo=batch["lo"], scale=batch["scale"],
+                                        bits=self.bits, shape=self.shape)
+            x = quantile.dequantize(q, source)
+        elif source is not None:
+            x = quantile.move_planes(batch["x"], source).float()
+        else:
+            return batch["x"].float()
+        if pad_rows is not None and pad_cols is not None:
+            moves.zero_padding_masked(x, pad_rows, pad_cols, prefix)
+        return x
 
     def decode(self, batch: Batch, crop: CropFlip | None = None) -> Batch:
         """``batch`` with ``codes``/``lo``/``scale`` (or a float16 ``x``) replaced by float32 ``x``.

@@ -76,27 +76,23 @@ class CropFlip:
         device = torch.device(device)
         key = str(device)
         if key not in self._positions:
-            n, h, w = len(self.dy), self.h, self.w
-
-            def put(a: np.ndarray) -> torch.Tensor:
-                t = torch.from_numpy(np.ascontiguousarray(a))
-                if device.type == "cuda":  # pinned + non_blocking: no wait for the GPU's queue here
-                    t = t.pin_memory().to(device, non_blocking=True)
-                return t
-
-            dy, dx = put(self.dy.astype(np.int64)), put(self.dx.astype(np.int64))
-            flip = put(np.asarray(self.flip, dtype=bool))
-            rows = dy[:, None] + torch.arange(h, device=device)[None, :]  # (n, h) source rows
-            cols = torch.arange(w, device=device)[None, :].expand(n, w)
-            cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
-            source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
-            pad_rows, pad_cols = (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
-            source = source.reshape(n, h * w)
-            if self.prefix:  # prefix tokens read themselves; the grid's positions shift past them
-                kept = torch.arange(self.prefix, device=device)[None, :].expand(n, self.prefix)
-                source = torch.cat([kept, source + self.prefix], dim=1)
-            self._positions[key] = (source, pad_rows, pad_cols)
+            self._positions[key] = move_positions(*self.move_tensors(device), self.h, self.w, self.prefix)
         return self._positions[key]
+
+    def move_tensors(
+        self, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dy, dx, flip) as int64, int64 and bool tensors on ``device``: the move in a form
+        :func:`move_positions` takes (a CUDA graph's inputs, ``pipeline.methods.graphed``)."""
+        device = torch.device(device)
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            if device.type == "cuda":  # pinned + non_blocking: no wait for the GPU's queue here
+                t = t.pin_memory().to(device, non_blocking=True)
+            return t
+
+        return put(self.dy.astype(np.int64)), put(self.dx.astype(np.int64)), put(np.asarray(self.flip, bool))
 
     @property
     def source(self) -> torch.Tensor:
@@ -132,17 +128,46 @@ class CropFlip:
         padded rows (``nonzero`` would wait for the GPU). It assigns +0.0 exactly where the indexed
         assignment does, so the two give the same bits, on any device."""
         _, pad_rows, pad_cols = self.positions(x.device)
-        pad = pad_rows[:, None, :, None] | pad_cols[:, None, None, :]
-        if not self.prefix:
-            return x.masked_fill_(pad, 0)
-        n, c = x.shape[:2]
-        pad = torch.cat([pad.new_zeros(n, 1, self.prefix), pad.reshape(n, 1, self.h * self.w)], dim=2)
-        x.view(n, c, -1).masked_fill_(pad, 0)
-        return x
+        return zero_padding_masked(x, pad_rows, pad_cols, self.prefix)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The cropped and flipped copy of float maps ``x`` (N, C, H, W)."""
         return self.zero_padding(quantile.move_planes(x, self.source_on(x.device)))
+
+
+def move_positions(dy: torch.Tensor, dx: torch.Tensor, flip: torch.Tensor, h: int, w: int,
+                   prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source, pad_rows, pad_cols) of :class:`CropFlip` from per-sample ``dy``, ``dx`` (int64) and
+    ``flip`` (bool) tensors, computed where they are with torch ops alone: no host round trip, so a
+    CUDA graph can capture it (``pipeline.methods.graphed``) and the moves of a batch cross to the
+    device as a few bytes per sample."""
+    device = dy.device
+    n = dy.shape[0]
+    rows = dy[:, None] + torch.arange(h, device=device)[None, :]  # (n, h) source rows
+    cols = torch.arange(w, device=device)[None, :].expand(n, w)
+    cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # (n, w) source columns
+    source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
+    pad_rows, pad_cols = (rows < 0) | (rows >= h), (cols < 0) | (cols >= w)
+    source = source.reshape(n, h * w)
+    if prefix:  # prefix tokens read themselves; the grid's positions shift past them
+        kept = torch.arange(prefix, device=device)[None, :].expand(n, prefix)
+        source = torch.cat([kept, source + prefix], dim=1)
+    return source, pad_rows, pad_cols
+
+
+def zero_padding_masked(x: torch.Tensor, pad_rows: torch.Tensor, pad_cols: torch.Tensor,
+                        prefix: int = 0) -> torch.Tensor:
+    """Zero, in place, the padded pixels of moved maps ``x`` (N, C, H, W), or of token maps (N, C, 1,
+    ``prefix`` + h*w) whose grid is (h, w) = (``pad_rows.shape[1]``, ``pad_cols.shape[1]``): one masked
+    fill, no host round trip (:meth:`CropFlip.zero_padding_masked`)."""
+    pad = pad_rows[:, None, :, None] | pad_cols[:, None, None, :]
+    if not prefix:
+        return x.masked_fill_(pad, 0)
+    n, c = x.shape[:2]
+    h, w = pad_rows.shape[1], pad_cols.shape[1]
+    pad = torch.cat([pad.new_zeros(n, 1, prefix), pad.reshape(n, 1, h * w)], dim=2)
+    x.view(n, c, -1).masked_fill_(pad, 0)
+    return x
 
 
 def crop_and_flip(x: torch.Tensor, padding: int, hflip: float, u: np.ndarray,

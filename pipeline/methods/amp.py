@@ -16,6 +16,7 @@ Running out of memory becomes :func:`pipeline.device.out_of_memory`'s error, sha
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +36,8 @@ else:
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 Pair = tuple["torch.Tensor", "torch.Tensor"]
+# (inputs, labels) where the inputs may be a dict of tensors a step decodes itself (graphed steps)
+AnyPair = tuple[Any, "torch.Tensor"]
 
 
 def check_precision(precision: str, device: torch.device | str, *, where: str = "train.precision") -> None:
@@ -72,10 +75,12 @@ class AmpPolicy:
             torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
         )
 
-    def autocast(self) -> AbstractContextManager[Any]:
+    def autocast(self, *, cache: bool = True) -> AbstractContextManager[Any]:
+        """Autocast at the precision; ``cache=False`` for a step captured as a CUDA graph, where a cached
+        low-precision copy of a weight would be captured stale."""
         if self.dtype is None:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=cache)
 
     def step(self, loss: torch.Tensor, opt: torch.optim.Optimizer, params: list[nn.Parameter],
              grad_clip: float | None) -> None:
@@ -103,28 +108,60 @@ class AmpPolicy:
 
 
 # ---------------------------------------------------------------------------------------- batches
-def pinned(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
+def pinned(batches: Iterable[AnyPair], device: torch.device | str) -> Iterator[AnyPair]:
     """``batches`` with host tensors page-locked when they are bound for CUDA (run it on the producer
-    thread: pinning copies the batch once, off the training loop). Unchanged for a CPU device."""
+    thread: pinning copies the batch once, off the training loop). Unchanged for a CPU device.
+    ``x`` may be a dict of tensors (stored codes a step decodes itself): each is pinned."""
     if torch.device(device).type != "cuda":
         yield from batches
         return
     for x, y in batches:
-        yield pin(x), pin(y)
+        yield ({k: pin(v) for k, v in x.items()} if isinstance(x, dict) else pin(x)), pin(y)
 
 
-def to_device(batches: Iterable[Pair], device: torch.device | str) -> Iterator[Pair]:
+def to_device(batches: Iterable[AnyPair], device: torch.device | str) -> Iterator[AnyPair]:
     """``(x, y)`` on ``device``, labels as int64. To a GPU through
     :func:`pipeline.ops.device_feed.to_device`: copied from pinned memory on a side stream a couple of
-    batches ahead of the step."""
+    batches ahead of the step. ``x`` may be a dict of tensors, each moved alike."""
     device = torch.device(device)
     if device.type != "cuda":
         for x, y in batches:
-            yield x.to(device), y.to(device).long()
+            if isinstance(x, dict):
+                yield {k: v.to(device) for k, v in x.items()}, y.to(device).long()
+            else:
+                yield x.to(device), y.to(device).long()
         return
-    pairs = ({"x": x, "y": y} for x, y in batches)
-    for batch in feed_to_device(pairs, device, ("x", "y")):
-        yield batch["x"], batch["y"].long()
+    pairs = iter(batches)
+    head = next(pairs, None)
+    if head is None:
+        return
+    if all(t.device == device or (device.index is None and t.is_cuda) for t in _tensors_of(head)):
+        # Already on the device (a stream that feeds its batches there, e.g. resident stored codes):
+        # no copy stream, no events.
+        for x, y in itertools.chain([head], pairs):
+            yield x, y.long()
+        return
+    keyed: list[str] = []
+
+    def flat(pair: AnyPair) -> dict[str, Any]:
+        x, y = pair
+        parts = {f"x.{k}": v for k, v in x.items()} if isinstance(x, dict) else {"x": x}
+        if not keyed:
+            keyed.extend([*parts, "y"])
+        return {**parts, "y": y}
+
+    source = (flat(pair) for pair in itertools.chain([head], pairs))
+    for batch in feed_to_device(source, device, keyed):
+        y = batch.pop("y").long()
+        if "x" in batch:
+            yield batch["x"], y
+        else:
+            yield {k[2:]: v for k, v in batch.items() if k.startswith("x.")}, y
+
+
+def _tensors_of(pair: AnyPair) -> list[torch.Tensor]:
+    x, y = pair
+    return [*(x.values() if isinstance(x, dict) else [x]), y]
 
 
 def module_device(model: nn.Module) -> torch.device:

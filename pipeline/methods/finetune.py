@@ -38,6 +38,7 @@ from ..stream import Stream
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
 from .amp import check_precision
 from .checkpoint import CHECKPOINT_FILE
+from .graphed import check_cuda_graph, graph_refusal
 from .trainer import TrainConfig, evaluate, train
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ class Finetune(Stage):
         for split in ("train", "val"):
             data.split(split, stage=self.type_name)
         check_precision(self.precision, ctx.torch_device)
+        check_cuda_graph(self.train.cuda_graph, ctx.torch_device, self.precision, self.train.optimizer)
         return Spec(RESULT, data.num_classes, meta={"mode": self.mode})
 
     @property
@@ -250,7 +252,18 @@ class Finetune(Stage):
             except (RuntimeError, ValueError) as exc:  # e.g. train-mode BN on a batch of one 1x1 map
                 ctx.progress.log(f"[{name}] memory meter skipped: {exc}")
 
-        def train_batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.train if self.precision == self.train.precision else \
+            self.train.model_copy(update={"precision": self.precision})
+        # A step captured as a CUDA graph can decode the stored codes itself: the training batches then
+        # stay coded (and resident on the GPU) up to the step, and the decoding is captured with it.
+        coded = (self.mode == "two_stage" and cfg.cuda_graph != "off" and hasattr(stream, "open_coded")
+                 and graph_refusal(device, cfg.precision, cfg.optimizer) is None)
+
+        def train_batches(epoch: int) -> Iterator[tuple[Any, torch.Tensor]]:
+            if coded:
+                stored = stream.open_coded("train", epoch=epoch, shuffle=True, seed=self.seed)  # type: ignore[attr-defined]
+                return (({k: v for k, v in b.items() if k != "y"}, b["y"])
+                        for b in rechunk(stored, self.batch_size))
             batches = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
             return xy(rechunk(batches, self.batch_size))
 
@@ -266,13 +279,12 @@ class Finetune(Stage):
 
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
-        cfg = self.train if self.precision == self.train.precision else \
-            self.train.model_copy(update={"precision": self.precision})
         result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
                        on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch,
                        resume_key=call.fingerprint, bars=ctx.progress, label=name,
                        batch_size=self.batch_size, batch_setting=f"stages.{name}.batch_size",
-                       log=lambda m: ctx.progress.log(f"[{name}] {m}"))
+                       log=lambda m: ctx.progress.log(f"[{name}] {m}"),
+                       prepare=stream.decode_coded if coded else None)  # type: ignore[attr-defined]
         # Report the test accuracy of the checkpoint chosen on validation data.
         state, _ = load_weights(out_dir / BEST_FILE)
         trained.load_state_dict(state)
@@ -315,6 +327,7 @@ class Finetune(Stage):
             "method": adapted.method,
             "precision": self.precision,
             "device": str(device),
+            "cuda_graph": result.cuda_graph,
             "resumed_after_epochs": result.resumed_from or 0,
             **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,

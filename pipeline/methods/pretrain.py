@@ -24,6 +24,7 @@ from ..ops.batching import rechunk, xy
 from ..spec import DATASET, MODEL, Spec
 from ..stage import Stage, StageCall
 from .amp import check_precision
+from .graphed import check_cuda_graph
 from .trainer import TrainConfig, train
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Pretrain(Stage):
         data = inputs["input"]
         data.split("train", stage=self.type_name)
         check_precision(self.train.precision, ctx.torch_device)
+        check_cuda_graph(self.train.cuda_graph, ctx.torch_device, self.train.precision, self.train.optimizer)
         return self._arch(data.num_classes).spec()
 
     def estimate_bytes(self, spec: Spec) -> int | None:

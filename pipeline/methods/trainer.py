@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..device import out_of_memory
 from ..errors import DataError, ModelError
@@ -26,6 +26,7 @@ from ..progress import Progress
 from ..threads import StepPacer, step_pacer
 from .amp import AmpPolicy, module_device, pinned, to_device
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from .graphed import StepGraph, graph_refusal, portable_optimizer_state, set_lr
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,16 @@ class TrainConfig(BaseModel, frozen=True, extra="forbid"):
     grad_clip: float | None = Field(None, gt=0, description="max global gradient L2 norm")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="fp32; bf16 autocast (CPU, CUDA); fp16 autocast + gradient scaler (CUDA)")
+    cuda_graph: Literal["auto", "on", "off"] = Field(
+        "auto", description="capture the training step as a CUDA graph (pipeline.methods.graphed): auto "
+        "where it can (CUDA, fp32/bf16, adamw/adam/sgd), on (refused where it cannot), off (eager)")
     seed: int = 0
+
+    @field_validator("cuda_graph", mode="before")
+    @classmethod
+    def _cuda_graph_words(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as true/false: `cuda_graph: off` means "off".
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainConfig:
@@ -76,6 +86,7 @@ class TrainResult:
     last_val_acc: float | None = None
     total_seconds: float = 0.0
     resumed_from: int | None = None  # epochs already done by an interrupted run this one continued
+    cuda_graph: bool = False  # the steps of full batches were replays of one captured CUDA graph
 
 
 # Devices torch has fused optimizer kernels for (CPU since torch 2.4).
@@ -161,6 +172,7 @@ class _Loop:
     device: torch.device
     progress: Callable[[dict[str, Any]], None] | None = None
     pace: StepPacer | None = None
+    graph: StepGraph | None = None  # the step as a CUDA graph (train.cuda_graph), else the eager step
 
 
 def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int | None,
@@ -205,6 +217,37 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
     return ep
 
 
+def _train_epoch_graphed(loop: _Loop, graph: StepGraph, batches: Batches, epoch: int,
+                         steps_per_epoch: int | None, bar: Any = None) -> _Epoch:
+    """:func:`_train_epoch` with each step a replay of ``graph``: the loss is summed on the device and
+    read once, at the end of the epoch (a per-step read would make the host wait for every step)."""
+    cfg = loop.cfg
+    ep = _Epoch(lr=cfg.lr)
+    graph.reset_sums()
+    for step, (x, y) in enumerate(to_device(batches, loop.device)):
+        frac = step / steps_per_epoch if steps_per_epoch else 0.5
+        ep.lr = cfg.lr_at(epoch + min(frac, 1.0))
+        set_lr(loop.opt, ep.lr)
+        loss = graph.step(x, y)
+        ep.samples += len(y)
+        ep.steps = step + 1
+        if bar is not None:
+            bar.update(1)
+        if loop.progress is not None:
+            loop.progress({"epoch": epoch, "step": step, "samples": ep.samples, "loss": float(loss),
+                           "lr": ep.lr})
+    if ep.samples == 0:
+        raise DataError(f"train_batches({epoch}) yielded no batches (is the train split empty?)")
+    ep.loss_sum, ep.correct = graph.sums()
+    if not math.isfinite(ep.loss_sum):
+        raise ModelError(
+            f"training diverged: the loss summed over epoch {epoch} is {ep.loss_sum} (lr up to "
+            f"{cfg.lr:.3g}); lower train.lr, set train.grad_clip, or check the inputs for NaN/inf "
+            "(train.cuda_graph: off checks every step and names the first bad one)"
+        )
+    return ep
+
+
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
@@ -218,7 +261,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
           steps_per_epoch: int | None = None, read_ahead: int = 0,
           resume_key: str | None = None, bars: Progress | None = None, label: str = "train",
           batch_size: int | None = None, batch_setting: str | None = None,
-          log: Callable[[str], None] | None = None) -> TrainResult:
+          log: Callable[[str], None] | None = None,
+          prepare: Callable[[Any], torch.Tensor] | None = None) -> TrainResult:
     """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
 
     Runs where ``model``'s parameters are (move it to the device first), at ``cfg.precision``
@@ -240,6 +284,10 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     same key is continued from: the result and the weights are those of an uninterrupted run.
     Out of memory raises :class:`DeviceMemoryError` naming ``label``, ``batch_size`` and
     ``batch_setting`` (the recipe field to lower).
+    On a GPU, ``cfg.cuda_graph`` (auto/on) captures the step as a CUDA graph
+    (:mod:`pipeline.methods.graphed`); ``prepare``, given, turns each training batch's ``x`` (then
+    a dict of stored tensors, e.g. coded feature maps) into the model's input inside the step, so
+    the decoding is captured with it.
     """
     params = [p for p in parameters if p.requires_grad]
     if not params:
@@ -271,6 +319,16 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
         if log is not None:
             log(f"resuming training after epoch {start - 1} (of 0-{cfg.epochs - 1}) from "
                 f"{last}")
+    refusal = graph_refusal(device, cfg.precision, cfg.optimizer)
+    if cfg.cuda_graph == "on" and refusal is not None:
+        raise ModelError(f"train.cuda_graph: on, but the step cannot be captured: {refusal}")
+    if cfg.cuda_graph != "off" and refusal is None:
+        loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        loop.graph = StepGraph(model, opt, params, amp, loss_fn, cfg.grad_clip, device, prepare,
+                               strict=cfg.cuda_graph == "on", log=log)
+    elif prepare is not None:
+        raise ModelError("train(prepare=...) decodes batches inside a CUDA-graph step; without one, "
+                         "give train_batches the model's inputs")
     bars = bars or Progress(quiet=True)
     t_start = time.perf_counter()
     ahead = None
@@ -294,7 +352,10 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
             steps = steps_per_epoch or _steps_hint(batches)
             try:
                 with bars.bar(steps, f"{label}: epoch {epoch + 1}/{cfg.epochs}", unit="batch") as bar:
-                    ep = _train_epoch(loop, batches, epoch, steps, bar)
+                    if loop.graph is not None:
+                        ep = _train_epoch_graphed(loop, loop.graph, batches, epoch, steps, bar)
+                    else:
+                        ep = _train_epoch(loop, batches, epoch, steps, bar)
                 steps_per_epoch = steps_per_epoch or ep.steps
                 record: dict[str, Any] = {
                     "epoch": epoch, "train_loss": ep.loss_sum / ep.samples,
@@ -326,7 +387,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
                 assert last is not None
                 save_checkpoint(last, {
                     "fingerprint": resume_key or "", "epoch": epoch + 1, "state_dict": _cpu_state(model),
-                    "meta": meta, "optimizer": opt.state_dict(), "amp": amp.state_dict(),
+                    "meta": meta, "optimizer": portable_optimizer_state(opt.state_dict()),
+                    "amp": amp.state_dict(),
                     "rng": rng_state(device), "steps_per_epoch": steps_per_epoch, "history": result.history,
                     "best_val_acc": result.best_val_acc, "best_epoch": result.best_epoch,
                     "last_val_acc": result.last_val_acc,
@@ -334,4 +396,5 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
             if on_epoch is not None:
                 on_epoch(record)
     result.total_seconds = time.perf_counter() - t_start
+    result.cuda_graph = loop.graph is not None and loop.graph.replays > 0
     return result

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline import cli
 from pipeline.context import RunContext
-from pipeline.errors import DeviceMemoryError, StageError
+from pipeline.errors import DeviceMemoryError, ModelError, StageError
 from pipeline.methods.amp import AmpPolicy, check_precision, pinned, to_device
 from pipeline.methods.trainer import TrainConfig, evaluate, train
 from pipeline.progress import FALLBACK_COLUMNS, Progress, terminal_columns
@@ -267,3 +267,25 @@ def test_pretrain_and_finetune_stages_show_their_epoch_bars(tmp_path: Path) -> N
     assert epochs == [("backbone: epoch 1/2", "batch"), ("backbone: epoch 2/2", "batch"),
                       ("top: epoch 1/1", "batch")]
     assert all(total == n for desc, total, _, n in bars.bars if "epoch" in desc)  # every step counted
+
+
+def test_cuda_graph_on_is_refused_before_any_work_where_no_step_can_be_captured(tmp_path: Path) -> None:
+    stages = {
+        "data": {"type": "synthetic", "num_samples": 30, "num_classes": 3, "size": 16},
+        "split": {"type": "split", "input": "data"},
+        "backbone": {"type": "pretrain", "input": "split", "arch": "mobilenet_v2", "width_mult": 0.35,
+                     "small_input": True, "resolution": 16, "train": {"epochs": 1, "cuda_graph": "on"}},
+    }
+    with pytest.raises(StageError, match="stages.backbone.*cuda_graph: on.*needs a CUDA device.*auto"):
+        Runner(recipe_from_dict({"name": "g", "stages": stages}), RunContext(catalog=Catalog(tmp_path / "s")))
+    net = model()
+    with pytest.raises(ModelError, match="cuda_graph: on.*CUDA device"):
+        train(net, net.parameters(), lambda e: batches(TRAIN), None, TrainConfig(epochs=1, cuda_graph="on"),
+              checkpoint_dir=None)
+    # auto (the default) trains eagerly where no graph can be captured, and says so in the result
+    result = train(net, net.parameters(), lambda e: batches(TRAIN), None, TrainConfig(epochs=1),
+                   checkpoint_dir=None)
+    assert result.cuda_graph is False
+    assert "cuda_graph" not in TrainConfig().model_dump(exclude_defaults=True)  # fingerprints unchanged
+    # YAML 1.1 reads a bare `cuda_graph: off` as false, `on` as true: both mean what they say
+    assert TrainConfig(cuda_graph=False).cuda_graph == "off" and TrainConfig(cuda_graph=True).cuda_graph == "on"

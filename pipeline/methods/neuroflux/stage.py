@@ -42,6 +42,7 @@ from ...spec import RESULT, STREAM, Spec
 from ...stage import Stage, StageCall
 from ...stream import Stream
 from ..amp import check_precision
+from ..graphed import check_cuda_graph
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
 from .exit import (
@@ -159,6 +160,9 @@ class _BudgetedTraining(Stage):
     def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
         check_precision(self.train.precision, ctx.torch_device)
+        eager_only = "NeuroFlux's local learning steps run eagerly" if self.type_name == "neuroflux" else None
+        check_cuda_graph(self.train.cuda_graph, ctx.torch_device, self.train.precision, self.train.optimizer,
+                         eager_only=eager_only)
         return Spec(RESULT, inputs["input"].num_classes, meta={"arch": self.arch})
 
     # ------------------------------------------------------------------ data
