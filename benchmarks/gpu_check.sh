@@ -94,7 +94,7 @@ smoke() {
 }
 
 table4() {
-  step table4_96px 240 $PY -m benchmarks.bench_fashion_table4 --device cuda --resolution 96 --seeds 0 1 \
+  step table4_96px 170 $PY -m benchmarks.bench_fashion_table4 --device cuda --resolution 96 --seeds 0 1 \
     --store "$WORK/store_fm"
 }
 
@@ -108,7 +108,7 @@ codec() {
 }
 
 neuroflux() {
-  step neuroflux 180 $PY -m benchmarks.bench_neuroflux --device cuda --threads 16 --archs vgg11
+  step neuroflux 150 $PY -m benchmarks.bench_neuroflux --device cuda --threads 16 --archs vgg11
 }
 
 phases=("$@")

@@ -280,7 +280,7 @@ def test_frozen_forward_on_the_gpu_agrees_with_the_cpu(precision: str) -> None:
     from pipeline.stages.forward import AUTOCAST, ForwardStream
 
     torch.manual_seed(0)
-    net = build_backbone("mobilenet_v2", 10)
+    net = build_backbone("mobilenet_v2", 10).requires_grad_(False)  # a frozen bottom, as the stage has
     bottom = fold_batch_norms(split_at(net, 4)[0]).eval()
     images = torch.randn(8, 3, 112, 112, generator=torch.Generator().manual_seed(1))
 

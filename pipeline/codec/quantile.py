@@ -139,14 +139,16 @@ def _float16_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.
     lo64, hi64 = lo.double(), hi.double()
     const = hi64 == lo64
     lo16 = lo.half()
-    lo16 = torch.where((lo16.double() > lo64) & ~const, torch.nextafter(lo16, _NEG_INF16), lo16)
+    # The infinities nextafter steps towards, where the values are (a CPU constant would not do on a GPU).
+    neg_inf, pos_inf = _NEG_INF16.to(lo.device), _POS_INF16.to(lo.device)
+    lo16 = torch.where((lo16.double() > lo64) & ~const, torch.nextafter(lo16, neg_inf), lo16)
     step = torch.where(const, 0.0, (hi64 - lo16.double()) / levels)
     scale16 = step.half()
-    scale16 = torch.where(scale16.double() < step, torch.nextafter(scale16, _POS_INF16), scale16)
+    scale16 = torch.where(scale16.double() < step, torch.nextafter(scale16, pos_inf), scale16)
     # ``step`` itself was rounded (hi = 2e-16, lo16 = -2 loses hi entirely), so check coverage exactly:
     # float16 values are multiples of 2**-24 below 2**16, so lo16 + levels * scale16 is exact in float64.
     short = (lo16.double() + levels * scale16.double() < hi64) & ~const
-    scale16 = torch.where(short, torch.nextafter(scale16, _POS_INF16), scale16)
+    scale16 = torch.where(short, torch.nextafter(scale16, pos_inf), scale16)
     if bool(torch.isinf(scale16).any()):
         i, c = (int(v) for v in torch.isinf(scale16).nonzero()[0])
         raise DataError(f"quantize: sample {i} (index within the batch), channel {c}: range "

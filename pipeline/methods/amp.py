@@ -141,17 +141,14 @@ def to_device(batches: Iterable[AnyPair], device: torch.device | str) -> Iterato
         for x, y in itertools.chain([head], pairs):
             yield x, y.long()
         return
-    keyed: list[str] = []
-
     def flat(pair: AnyPair) -> dict[str, Any]:
         x, y = pair
         parts = {f"x.{k}": v for k, v in x.items()} if isinstance(x, dict) else {"x": x}
-        if not keyed:
-            keyed.extend([*parts, "y"])
         return {**parts, "y": y}
 
+    keys = list(flat(head))  # the fields to move, named before the feed starts (it reads them once)
     source = (flat(pair) for pair in itertools.chain([head], pairs))
-    for batch in feed_to_device(source, device, keyed):
+    for batch in feed_to_device(source, device, keys):
         y = batch.pop("y").long()
         if "x" in batch:
             yield batch["x"], y

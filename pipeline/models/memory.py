@@ -511,11 +511,24 @@ def device_step_peak(module: nn.Module, input_shape: tuple[int, ...], device: to
     if device.type != "cuda":
         raise ValueError(f"device_step_peak reads the CUDA allocator; {device} has none (use footprint)")
     _optimizer_slots(optimizer, momentum)  # unknown optimizer: the same error as footprint's
+    # The libraries' first use on a device allocates what they keep for good (cuBLAS's workspace, tens
+    # of MiB): a step on a throwaway copy first, so that lands in the base, not in this step's peak.
+    _one_step(copy.deepcopy(module).to(device).train(), input_shape, device, num_classes, optimizer,
+              momentum, seed, input_requires_grad)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    _one_step(copy.deepcopy(module).to(device).train(), input_shape, device, num_classes, optimizer,
+              momentum, seed, input_requires_grad)
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _one_step(work: nn.Module, input_shape: tuple[int, ...], device: torch.device, num_classes: int | None,
+              optimizer: str, momentum: float, seed: int, input_requires_grad: bool) -> None:
+    """One training step of ``work`` (already on ``device``) on random data; everything it allocated is
+    freed when it returns."""
     gen = torch.Generator().manual_seed(seed)
-    work = copy.deepcopy(module).to(device).train()
     params = [p for p in work.parameters() if p.requires_grad]
     opt = _optimizer(params, optimizer, momentum) if params else None
     x = torch.randn(*input_shape, generator=gen).to(device).requires_grad_(input_requires_grad)
@@ -530,7 +543,3 @@ def device_step_peak(module: nn.Module, input_shape: tuple[int, ...], device: to
             loss.backward()
     if opt is not None:
         opt.step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del work, opt, x, out, loss, params
-    return int(peak)

@@ -288,4 +288,5 @@ def test_cuda_graph_on_is_refused_before_any_work_where_no_step_can_be_captured(
     assert result.cuda_graph is False
     assert "cuda_graph" not in TrainConfig().model_dump(exclude_defaults=True)  # fingerprints unchanged
     # YAML 1.1 reads a bare `cuda_graph: off` as false, `on` as true: both mean what they say
-    assert TrainConfig(cuda_graph=False).cuda_graph == "off" and TrainConfig(cuda_graph=True).cuda_graph == "on"
+    assert TrainConfig(cuda_graph=False).cuda_graph == "off"
+    assert TrainConfig(cuda_graph=True).cuda_graph == "on"
