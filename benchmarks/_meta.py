@@ -38,10 +38,24 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
+    """The commit the benchmark's code is, ``+dirty`` when the code differs from it (a copy of a tree made
+    elsewhere, such as a GPU machine's, may carry an older .git). ``ONDEVICE_TL_GIT_COMMIT`` names the
+    commit where the copy's .git cannot (``benchmarks/gpu_check.sh`` passes it on)."""
+    named = os.environ.get("ONDEVICE_TL_GIT_COMMIT")
+    if named:
+        return named
+    here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
-        return out.stdout.strip() or None
+                             cwd=here, timeout=5)
+        commit = out.stdout.strip() or None
+        if commit is not None:
+            code = ["pipeline", "stores", "recipes", "benchmarks/*.py", "benchmarks/pages", "pyproject.toml"]
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
+                                    capture_output=True, text=True, cwd=here.parent, timeout=10)
+            if status.stdout.strip():
+                commit += "+dirty"
+        return commit
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -2,8 +2,11 @@
 # Every CUDA check of the project in one run on a machine with an NVIDIA GPU (issue 32): the tests
 # that skip without CUDA, smoke runs of the commands a Jetson user runs first, and the GPU benchmarks.
 #
-#   OUT=/some/dir benchmarks/gpu_check.sh [tests] [smoke] [table4] [cache_reuse] [codec] [neuroflux]
+#   OUT=/some/dir ONDEVICE_TL_GIT_COMMIT=<commit> benchmarks/gpu_check.sh [tests] [smoke] [table4] ...
+#                                                        [cache_reuse] [codec] [neuroflux]
 #
+# ONDEVICE_TL_GIT_COMMIT: the commit of the tree that travelled (a GPU machine's copy may carry an older
+# .git); result files record it.
 # No argument: all of them. tests, smoke and table4 (an accuracy benchmark) run side by side; the timed
 # benchmarks (cache_reuse, codec, neuroflux) run after them, one at a time, with nothing beside them.
 # Each step has a time limit, logs to its own file and adds a line (exit status, seconds) to steps.txt;
@@ -80,6 +83,9 @@ smoke() {
   done
   step qs_graph_off 90 $PY -m pipeline run $qs --set run.device=$DEVICE --store "$STORE" \
     --output "$WORK/runs/qs_graph_off" --set stages.two_stage.train.cuda_graph=off
+  # The same recipe on this machine's CPU: what the GPU's accuracy is compared with.
+  step qs_cpu 120 "${cpu[@]}" $PY -m pipeline run $qs --set run.device=cpu --store "$WORK/store_cpu" \
+    --output "$WORK/runs/qs_cpu"
   step memory_mobiletl 60 $PY -m pipeline memory recipes/mobiletl/digits.yaml --set run.device=$DEVICE --store "$STORE"
   step sweep 150 $PY -m pipeline sweep $qs --set run.device=$DEVICE --store "$STORE" --output "$WORK/runs/sweep" \
     --grid stages.two_stage.train.lr=0.003,0.01
@@ -125,5 +131,8 @@ done
 for p in "${side_by_side[@]}"; do "$p" & done
 wait
 for p in "${one_by_one[@]}"; do "$p"; done
+cpu_run=()
+[ -f "$WORK/runs/qs_cpu/summary.json" ] && cpu_run=(--cpu-run "$WORK/runs/qs_cpu")
+$PY -m benchmarks.gpu_check_report "$WORK" "${cpu_run[@]}" > "$WORK/logs/report.log" 2>&1
 pack
 echo "done: $(wc -l < "$WORK/steps.txt") steps; failed: $(grep -vc ' rc=0 ' "$WORK/steps.txt")"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .common import DASH, Rendered, Result, acc, cell, nbytes, new_figure, num, rows_of, table
 
-RESULTS = ("cache_reuse_fashion_table4",)
+RESULTS = ("cache_reuse_fashion_table4", "cache_reuse_fashion_table4_96px_cuda")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {
     "cache_reuse_fashion_table4": "python -m benchmarks.bench_fashion_table4"

@@ -22,7 +22,7 @@ from .common import (
     times,
 )
 
-RESULTS = ("neuroflux",)
+RESULTS = ("neuroflux", "neuroflux_cuda")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {"neuroflux": "python -m benchmarks.bench_neuroflux --device cuda --threads 16"}
 

@@ -24,9 +24,13 @@ The optimizer runs fused and ``capturable`` with its learning rate a device tens
 schedule reaches the graph; :func:`portable_optimizer_state` turns that back into plain numbers
 for a checkpoint, so a graphed and an eager run resume each other.
 
-Results: the same kernels in the same order as the eager step, so the loss curve matches it up to
-the random draws of dropout, which come from another part of the generator's stream. A graphed run is
-recorded as such in the result (``cuda_graph``); ``train.cuda_graph: off`` gives the eager loop.
+Results: the same kernels in the same order as the eager step, so a graphed run agrees with an eager
+one to rounding (checked on an H100 at fp32 and bf16 with AdamW, Adam and SGD, on a net without
+dropout). Random numbers: the generator is put back after the warm-up, so a run continues the random
+stream where it stood, and a run resumed from a checkpoint continues it where the uninterrupted run was;
+whether a replayed dropout mask is bit for bit the eager one is up to torch's graph-safe generator.
+A graphed run is recorded as such in the result (``cuda_graph``); ``train.cuda_graph: off`` gives
+the eager loop.
 """
 
 from __future__ import annotations
@@ -193,17 +197,21 @@ class StepGraph:
     def _capture(self, x: Inputs, y: torch.Tensor, signature: tuple[Any, ...]) -> None:
         self.signature = signature
         saved = self._save_state()
+        # The warm-up draws random numbers (dropout); the generator is put back after the capture, so
+        # the first replay draws what the first eager step would: graphed and eager runs, and a run
+        # resumed from a checkpoint, see the same random stream.
+        rng = torch.cuda.get_rng_state(self.device)
         try:
             self._warm_up_and_capture(x, y)
         except RuntimeError as exc:
             if is_out_of_memory(exc):  # the trainer names the stage, the batch size and a smaller one
-                self._restore_state(saved)
+                self._restore_state(saved, rng)
                 if isinstance(exc, torch.OutOfMemoryError):
                     raise
                 raise torch.OutOfMemoryError(str(exc)) from None
             # Something in the step cannot be captured (an op that waits for the host, say): the
             # state is put back and every step runs eagerly, as with train.cuda_graph: off.
-            self._restore_state(saved)
+            self._restore_state(saved, rng)
             self.graph, self.static_x, self.static_y, self.static_loss = None, None, None, None
             self._keep = []
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -214,7 +222,7 @@ class StepGraph:
             if self.log is not None:
                 self.log(f"training step not captured as a CUDA graph ({self.failure}); running it eagerly")
             return
-        self._restore_state(saved)
+        self._restore_state(saved, rng)
 
     def _warm_up_and_capture(self, x: Inputs, y: torch.Tensor) -> None:
         self.static_x, self.static_y = _clone(x), y.clone()
@@ -247,7 +255,8 @@ class StepGraph:
         with torch.no_grad():
             return {name: t.detach().clone() for name, t in self._state_tensors().items()}
 
-    def _restore_state(self, saved: dict[str, torch.Tensor]) -> None:
+    def _restore_state(self, saved: dict[str, torch.Tensor], rng: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(rng, self.device)
         with torch.no_grad():
             for name, t in self._state_tensors().items():
                 if name in saved:
