@@ -167,10 +167,18 @@ def _row(e: Entry, catalog: Catalog) -> dict[str, Any]:
     }
 
 
+def _damaged_rows(catalog: Catalog) -> list[dict[str, Any]]:
+    """Entry directories whose manifest.json is damaged: not entries, but their bytes are on disk."""
+    return [{"fingerprint": fp, "damaged": problem, "size_bytes": _dir_bytes(path),
+             "fix": f"python -m pipeline cache rm {fp[:12]} (or rerun: a run rebuilds it)"}
+            for fp, path, problem in catalog.damaged()]
+
+
 def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
     entries = sorted(catalog.entries(), key=lambda e: e.last_used, reverse=True)
+    damaged = _damaged_rows(catalog)
     if args.json:
-        print(json.dumps([_row(e, catalog) for e in entries], indent=2))
+        print(json.dumps([*(_row(e, catalog) for e in entries), *damaged], indent=2))
         return EXIT_OK
     budget = f" of {human_size(catalog.max_bytes)} budget" if catalog.max_bytes else ""
     print(
@@ -188,6 +196,9 @@ def cmd_ls(args: argparse.Namespace, catalog: Catalog) -> int:
             + (f"  {settings}" if settings else "")
             + flags
         )
+    for row in damaged:
+        print(f"  {row['fingerprint'][:12]}  DAMAGED {human_size(row['size_bytes']):>10}  {row['damaged']}; "
+              f"{row['fix']}")
     return EXIT_OK
 
 
@@ -200,9 +211,12 @@ def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
     by_kind: dict[str, int] = {}
     for e in entries:
         by_kind[e.kind] = by_kind.get(e.kind, 0) + e.size_bytes
+    damaged = _damaged_rows(catalog)
     usage: dict[str, Any] = {
         "entries": len(entries),
         "entries_bytes": sum(e.size_bytes for e in entries),
+        "damaged_entries": len(damaged),
+        "damaged_bytes": sum(row["size_bytes"] for row in damaged),
         "pinned_bytes": sum(e.size_bytes for e in entries if e.pinned),
         "staging_bytes": _dir_bytes(catalog.staging_dir),
         "staging_builds": len(list(catalog.staging_dir.iterdir())) if catalog.staging_dir.is_dir() else 0,
@@ -219,6 +233,9 @@ def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
     )
     for kind, size in sorted(usage["by_kind"].items()):
         print(f"    {kind:<7}{human_size(size):>10}")
+    if damaged:
+        print(f"  damaged  {human_size(usage['damaged_bytes']):>10} in {len(damaged)} entries whose "
+              "manifest.json is damaged (`cache ls` names them; a run rebuilds them)")
     print(
         f"  staging  {human_size(usage['staging_bytes']):>10} in {usage['staging_builds']} "
         "interrupted or running "
@@ -235,10 +252,11 @@ def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
 def cmd_verify(args: argparse.Namespace, catalog: Catalog) -> int:
     targets = [find_entry(catalog, args.entry)] if args.entry else catalog.entries()
     reports = [catalog.verify(e.fingerprint) for e in targets]
+    damaged = [] if args.entry else _damaged_rows(catalog)
     if args.json:
         print(
             json.dumps(
-                [
+                [*damaged, *(
                     {
                         "fingerprint": r.fingerprint,
                         "ok": r.ok,
@@ -250,19 +268,25 @@ def cmd_verify(args: argparse.Namespace, catalog: Catalog) -> int:
                         ],
                     }
                     for r in reports
-                ],
+                )],
                 indent=2,
             )
         )
     else:
         for r in reports:
             print(r.describe())
+        for row in damaged:
+            print(f"entry {row['fingerprint'][:12]}: {row['damaged']}; {row['fix']}")
         bad = [r for r in reports if not r.ok]
+        chunks_only = all(p.kind == "corrupt_chunk" for r in bad for p in r.problems)
+        fix = ("repair: python -m pipeline cache repair ENTRY" if chunks_only else
+               "repair: python -m pipeline cache repair ENTRY for damaged chunks; for other files, "
+               "python -m pipeline cache rm ENTRY, or rerun: a run rebuilds a damaged entry")
         print(
-            f"{len(reports)} entries verified: {len(reports) - len(bad)} ok, {len(bad)} damaged"
-            + (" (repair: python -m pipeline cache repair ENTRY)" if bad else "")
+            f"{len(reports) + len(damaged)} entries verified: {len(reports) - len(bad)} ok, "
+            f"{len(bad) + len(damaged)} damaged" + (f" ({fix})" if bad or damaged else "")
         )
-    return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
+    return EXIT_OK if all(r.ok for r in reports) and not damaged else EXIT_FAILED
 
 
 def cmd_repair(args: argparse.Namespace, catalog: Catalog) -> int:
@@ -296,6 +320,12 @@ def cmd_gc(args: argparse.Namespace, catalog: Catalog) -> int:
 def cmd_rm(args: argparse.Namespace, catalog: Catalog) -> int:
     from stores.errors import EntryInUseError
 
+    prefix = args.entry.strip().lower()
+    husks = [row for row in _damaged_rows(catalog) if row["fingerprint"].startswith(prefix)] if prefix else []
+    if len(husks) == 1 and not any(e.fingerprint.startswith(prefix) for e in catalog.entries()):
+        catalog.remove(husks[0]["fingerprint"], force=True)  # no manifest: nobody can hold it as an entry
+        print(f"removed {husks[0]['fingerprint'][:12]} (damaged, {human_size(husks[0]['size_bytes'])})")
+        return EXIT_OK
     entry = find_entry(catalog, args.entry)
     try:
         catalog.remove(entry.fingerprint, force=args.force)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stores.errors import CorruptChunkError, StoreError
+from stores.errors import CorruptChunkError, DamagedEntryError, StoreError
 
 from . import cache_cli
 from .choose import command as choose_command
@@ -300,6 +300,11 @@ def _main(args: argparse.Namespace) -> int:
             "`cache repair ENTRY` recomputes only those)",
             file=sys.stderr,
         )
+        return EXIT_FAILED
+    except DamagedEntryError as exc:  # a stored file went bad and another run still reads the entry
+        if os.environ.get("ONDEVICE_TL_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except DeviceMemoryError as exc:  # met while working: the recipe was valid, the batch too large here
         if os.environ.get("ONDEVICE_TL_DEBUG"):

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stores.catalog import Entry, Staging
+from stores.errors import DamagedEntryError
+from stores.leases import EntryUse
 from stores.lock import LockHolder
 
 from .context import RunContext
@@ -182,7 +184,7 @@ class Runner:
         fp = call.fingerprint
         report = StageReport(name, stage.type_name, stage.kind, fp, "computed")
         start = time.perf_counter()
-        held = self.ctx.catalog.try_use(fp) if stage.cacheable and is_cacheable(fp) else None
+        held = self._stored(name, stage, fp) if stage.cacheable and is_cacheable(fp) else None
         value: Any
         if held is not None:
             self._held.append(held)  # in use for the whole run: budget eviction leaves it alone
@@ -210,6 +212,22 @@ class Runner:
         self.reports[name] = report
         self._outputs[name] = value
         return value
+
+    def _stored(self, name: str, stage: Stage, fp: str) -> EntryUse | None:
+        """The stored entry of ``fp``, held; None to compute it. A damaged one (a file that no longer matches
+        its checksum, a manifest that does not parse) is never used: it is removed, rebuilt, and the user
+        told why; while another run reads it, the run stops naming it."""
+        catalog = self.ctx.catalog
+        problem = catalog.manifest_problem(fp)
+        try:
+            held = catalog.try_use(fp)
+        except DamagedEntryError as exc:
+            problem = catalog.discard_damaged(exc)
+            held = None
+        if problem is not None:
+            self.ctx.progress.log(f"[{name}] the stored {stage.kind} {fp[:12]} is damaged ({problem}); "
+                                  "rebuilding it")
+        return held
 
     def _build(self, stage: Stage, call: StageCall, inputs: dict[str, Any]) -> tuple[Any, int, bool]:
         """(value, bytes written, reused): build into staging and commit, or take what another run built."""
@@ -245,6 +263,9 @@ class Runner:
         )
         if built.reused:
             self.ctx.progress.log(f"[{name}] reusing {stage.kind} {fp[:12]}, built meanwhile by another run")
+        elif built.replaced:
+            self.ctx.progress.log(f"[{name}] rebuilt {stage.kind} {fp[:12]}: the stored one was damaged "
+                                  f"({built.replaced})")
         self._held.append(built.use)
         written = 0 if built.reused else built.entry.size_bytes
         return stage.load(self.ctx, built.entry, call), written, built.reused

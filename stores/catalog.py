@@ -60,7 +60,7 @@ from typing import Any
 
 from stores import eviction, maintenance
 from stores.durable import atomic_write_bytes, free_bytes, fsync_dir, makedirs_durable
-from stores.errors import CatalogError, EntryInUseError, StoreNotFoundError
+from stores.errors import CatalogError, DamagedEntryError, EntryInUseError, StoreNotFoundError
 from stores.leases import Built, EntryUse
 from stores.lock import DirLock, FileLock, LockHolder
 from stores.maintenance import GcReport
@@ -76,12 +76,13 @@ from stores.manifest import (
     Entry,
     hash_payload,
     human_size,
+    manifest_problem,
     read_entry,
     to_json,
     validate_fingerprint,
 )
 from stores.staging import Staging
-from stores.verify import VerifyReport
+from stores.verify import VerifyReport, damaged_files
 
 __all__ = [
     "BOOKKEEPING",
@@ -190,7 +191,11 @@ class Catalog:
         return replace(entry, last_used=datetime.now(timezone.utc))
 
     def try_use(self, fingerprint: str) -> EntryUse | None:
-        """Hold the entry for reading (shared lock, marks it used); None if there is no entry."""
+        """Hold the entry for reading (shared lock, marks it used); None if there is no entry.
+
+        Raises :class:`DamagedEntryError` when a checksummed file of it (weights, results, metadata) no
+        longer matches its manifest: a damaged entry is never handed out.
+        """
         return self._hold(fingerprint, touch=True)
 
     def _hold(self, fingerprint: str, *, touch: bool) -> EntryUse | None:
@@ -207,6 +212,10 @@ class Catalog:
             if entry is None:
                 lock.release()
                 return None
+            damaged = damaged_files(path, entry.files, entry.checksums)
+            if damaged:
+                lock.release()
+                raise DamagedEntryError(fingerprint, str(path), tuple(damaged), entry.pinned)
             if touch:
                 _touch(path / LAST_USED)
                 entry = replace(entry, last_used=datetime.now(timezone.utc))
@@ -312,7 +321,12 @@ class Catalog:
         process built it while this one waited for the lock, that entry is taken instead. The
         returned :class:`Built` holds the entry (not evictable) until ``use.release()``.
         """
-        held = self.try_use(fingerprint)
+        replaced = self.manifest_problem(fingerprint)
+        try:
+            held = self.try_use(fingerprint)
+        except DamagedEntryError as exc:
+            replaced = self.discard_damaged(exc)
+            held = None
         if held is not None:
             return Built(held, reused=True, resumed=False)
         with self.stage(
@@ -322,7 +336,23 @@ class Catalog:
             if not reused:
                 staging.commit(build(staging))
             held = self.use(fingerprint)  # inside the block, so nothing evicts it in between
-        return Built(held, reused=reused, resumed=resumed)
+        return Built(held, reused=reused, resumed=resumed, replaced=replaced)
+
+    def discard_damaged(self, damaged: DamagedEntryError) -> str:
+        """Remove the damaged entry ``damaged`` names so it can be rebuilt; returns what was wrong, for the
+        user. Raises ``damaged`` again while another reader holds the entry."""
+        return maintenance.discard_damaged(self, damaged)
+
+    def manifest_problem(self, fingerprint: str) -> str | None:
+        """Why the entry directory of ``fingerprint`` is no entry although it has a manifest (a damaged
+        manifest.json), or None (an entry, or nothing stored)."""
+        path = self._entry_path(fingerprint)
+        return manifest_problem(path, fingerprint) if path.is_dir() else None
+
+    def damaged(self) -> list[tuple[str, Path, str]]:
+        """(fingerprint, path, what is wrong) of every entry directory whose manifest.json is damaged:
+        what ``cache ls``, ``du`` and ``verify`` report beside the entries (its bytes are on disk)."""
+        return maintenance.damaged_manifests(self)
 
     # ------------------------------------------------------------------ listing
     def entries(self) -> list[Entry]:

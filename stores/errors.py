@@ -101,6 +101,29 @@ def _rebuild_budget_error(
     return BudgetError(message, needed=needed, available=available, pinned=pinned, in_use=in_use)
 
 
+class DamagedEntryError(CatalogError):
+    """A stored entry's file no longer matches the checksum its manifest recorded (or is missing).
+
+    Carries ``fingerprint``, ``path`` (the entry directory), ``files`` (the damaged files, relative to it)
+    and ``pinned``, so a caller can rebuild the entry (same fingerprint) or tell the user what to remove.
+    """
+
+    def __init__(self, fingerprint: str, path: str, files: tuple[str, ...], pinned: bool = False) -> None:
+        self.fingerprint = fingerprint
+        self.path = path
+        self.files = files
+        self.pinned = pinned
+        super().__init__(
+            f"stored entry {fingerprint[:12]} at {path} is damaged: {', '.join(files)} "
+            f"{'does' if len(files) == 1 else 'do'} not match the checksum recorded when it was stored; "
+            f"it is never used as it is (remove it with `python -m pipeline cache rm {fingerprint[:12]}` and "
+            "rerun to rebuild it, or let a run rebuild it)"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.fingerprint, self.path, self.files, self.pinned))
+
+
 class EntryInUseError(CatalogError):
     """An entry cannot be removed because a reader (this or another process) holds it."""
 

@@ -57,6 +57,8 @@ class Built:
     use: EntryUse
     reused: bool  # stored before, or built meanwhile by another process
     resumed: bool  # this build continued an interrupted one
+    # Why a stored entry of this fingerprint was rebuilt instead of reused (a damaged file or manifest).
+    replaced: str | None = None
 
     @property
     def entry(self) -> Entry:

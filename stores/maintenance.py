@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stores.durable import atomic_write_bytes, fsync_dir
-from stores.errors import CatalogError, StoreNotFoundError
+from stores.errors import CatalogError, DamagedEntryError, EntryInUseError, StoreNotFoundError
 from stores.lock import FileLock
 from stores.manifest import (
     BOOKKEEPING,
     FINGERPRINT,
     MANIFEST,
     Entry,
+    file_records,
     hash_payload,
     human_size,
+    manifest_problem,
+    payload_checksums,
     payload_files,
     read_entry,
     to_json,
@@ -91,6 +94,27 @@ def gc(catalog: Catalog) -> GcReport:
             report.locks.append(child.name)
     return report
 
+def discard_damaged(catalog: Catalog, damaged: DamagedEntryError) -> str:
+    """Remove the entry ``damaged`` names (its files did not match their checksums) so it can be rebuilt
+    under the same fingerprint; returns what was wrong. Re-raises ``damaged`` while a reader holds it."""
+    try:
+        catalog.remove(damaged.fingerprint)
+    except EntryInUseError:
+        raise damaged from None
+    return f"{', '.join(damaged.files)} did not match the checksum recorded when it was stored"
+
+
+def damaged_manifests(catalog: Catalog) -> list[tuple[str, Path, str]]:
+    """(fingerprint, path, what is wrong) of every entry directory with a damaged manifest.json."""
+    out = []
+    for child in sorted(catalog.entries_dir.iterdir()):
+        if child.is_dir() and FINGERPRINT.fullmatch(child.name):
+            problem = manifest_problem(child, child.name)
+            if problem is not None:
+                out.append((child.name, child, problem))
+    return out
+
+
 def verify(catalog: Catalog, fingerprint: str) -> VerifyReport:
     """Check an entry: manifest files present with their recorded sizes, every zarr chunk decodes.
 
@@ -101,7 +125,7 @@ def verify(catalog: Catalog, fingerprint: str) -> VerifyReport:
     entry = read_entry(path, fingerprint)
     if entry is None:
         raise StoreNotFoundError(f"no complete entry {fingerprint} in the catalog at {catalog.root}")
-    return verify_entry(fingerprint, path, entry.files, _payload_on_disk(path))
+    return verify_entry(fingerprint, path, entry.files, _payload_on_disk(path), entry.checksums)
 
 def _payload_on_disk(path: Path) -> list[tuple[str, int]]:
     try:
@@ -123,7 +147,7 @@ def content_hash(catalog: Catalog, fingerprint: str) -> str:
     return hash_payload(path)
 
 def reseal(catalog: Catalog, fingerprint: str) -> Entry:
-    """Re-record the payload files and sizes in the manifest after an in-place repair.
+    """Re-record the payload files, sizes and checksums in the manifest after an in-place repair.
 
     Only needed when repaired chunks are not byte-identical to the originals (their
     compressed size changed). The manifest is replaced atomically; the rest is kept.
@@ -134,7 +158,7 @@ def reseal(catalog: Catalog, fingerprint: str) -> Entry:
         raise StoreNotFoundError(f"no complete entry {fingerprint} in the catalog at {catalog.root}")
     files = payload_files(path)
     manifest = dict(entry.manifest)
-    manifest["files"] = [{"path": rel, "size": size} for rel, size in files]
+    manifest["files"] = file_records(files, payload_checksums(path, files))
     manifest["size_bytes"] = sum(size for _, size in files)
     manifest["resealed"] = datetime.now(timezone.utc).isoformat()
     atomic_write_bytes(path / MANIFEST, to_json(manifest, f"manifest of {fingerprint}"))

@@ -1,7 +1,10 @@
 """A catalog entry's manifest: what makes a directory an entry, and what its payload is.
 
 An entry directory is an entry only if its ``manifest.json`` parses and names its
-fingerprint; the manifest lists the payload files and sizes recorded at commit. Files the
+fingerprint; the manifest lists the payload files and sizes recorded at commit, and the
+sha256 of every file that no codec checks on its own: model weights, results, zarr metadata,
+an HDF5 file. (zarr chunks carry their own crc32c, checked whenever a chunk is read, so
+hashing them again at commit would only double the writes' cost on a slow card.) Files the
 catalog itself keeps in an entry (manifest, ``.last_used``, ``.pinned``) are bookkeeping:
 not payload, not counted in sizes, not part of the content hash.
 """
@@ -32,6 +35,11 @@ BOOKKEEPING = frozenset({MANIFEST, LAST_USED, PINNED})
 FINGERPRINT = re.compile(r"[0-9a-f]{16,128}")
 KIND = re.compile(r"[A-Za-z0-9._-]+")
 _REQUIRED = ("fingerprint", "kind", "lineage", "created", "size_bytes", "files")
+# A zarr v3 chunk key ("c/0/3" under an array's directory): checked by its own crc32c codec.
+_ZARR_CHUNK = re.compile(r"(^|/)c(/\d+)+$")
+# Payload files too large to hash every time an entry is used: checked by `cache verify` only (their
+# chunks are what a read touches).
+BULK_FILES = frozenset({"entry.h5"})
 
 
 def validate_fingerprint(fp: str) -> str:
@@ -73,6 +81,12 @@ class Entry:
         """Payload files (relative '/' paths) and their sizes at commit time."""
         return {f["path"]: f["size"] for f in self.manifest["files"]}
 
+    @property
+    def checksums(self) -> dict[str, str]:
+        """Payload files -> sha256 hex digest recorded at commit (files no codec checks; entries
+        committed before checksums were recorded have none)."""
+        return {f["path"]: f["sha256"] for f in self.manifest["files"] if isinstance(f.get("sha256"), str)}
+
     def describe(self) -> str:
         return (
             f"{self.fingerprint[:12]}  {self.kind}  "
@@ -82,8 +96,45 @@ class Entry:
         )
 
 
+def manifest_problem(path: Path, fingerprint: str) -> str | None:
+    """Why ``path/manifest.json`` does not make ``path`` an entry of ``fingerprint`` (None when it does, or
+    when there is no manifest at all: a build that never committed, which is no damage)."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"manifest.json cannot be read ({exc.strerror or exc})"
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"manifest.json is not valid JSON ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"manifest.json is not an {FORMAT} manifest"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        found = manifest.get("format_version")
+        return f"manifest.json has format_version {found!r}, expected {FORMAT_VERSION}"
+    if manifest.get("fingerprint") != fingerprint:
+        return f"manifest.json names fingerprint {str(manifest.get('fingerprint'))[:16]!r}, not this entry's"
+    missing = [key for key in _REQUIRED if key not in manifest]
+    if missing:
+        return f"manifest.json lacks {', '.join(missing)}"
+    try:
+        datetime.fromisoformat(manifest["created"])
+        int(manifest["size_bytes"])
+    except (ValueError, TypeError) as exc:
+        return f"manifest.json has a malformed field ({exc})"
+    if not isinstance(manifest["lineage"], dict) or not isinstance(manifest["files"], list):
+        return "manifest.json's lineage or files has the wrong type"
+    if not all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
+               for f in manifest["files"]):
+        return "manifest.json's files list has malformed items"
+    return None
+
+
 def read_entry(path: Path, fingerprint: str) -> Entry | None:
-    """Parse ``path/manifest.json``; None if absent or not a valid manifest for ``fingerprint``."""
+    """Parse ``path/manifest.json``; None if absent or not a valid manifest for ``fingerprint``
+    (:func:`manifest_problem` says why)."""
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -96,6 +147,9 @@ def read_entry(path: Path, fingerprint: str) -> Entry | None:
         size = int(manifest["size_bytes"])
         lineage = manifest["lineage"]
         if not isinstance(lineage, dict) or not isinstance(manifest["files"], list):
+            return None
+        if not all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
+                   for f in manifest["files"]):
             return None
     except (OSError, ValueError, TypeError):
         # Missing, half-visible or garbled manifest: by the catalog's rule this is not an entry.
@@ -159,6 +213,35 @@ def hash_payload(root: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def needs_checksum(rel: str) -> bool:
+    """True for a payload file no codec checks when it is read (everything but zarr chunks)."""
+    return not _ZARR_CHUNK.search(rel)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def payload_checksums(root: Path, files: list[tuple[str, int]]) -> dict[str, str]:
+    """sha256 of each of ``files`` (relative to ``root``) that :func:`needs_checksum`."""
+    return {rel: file_sha256(root / rel) for rel, _ in files if needs_checksum(rel)}
+
+
+def file_records(files: list[tuple[str, int]], checksums: dict[str, str]) -> list[dict[str, Any]]:
+    """The manifest's ``files`` list: path, size and, where recorded, sha256."""
+    out: list[dict[str, Any]] = []
+    for rel, size in files:
+        record: dict[str, Any] = {"path": rel, "size": size}
+        if rel in checksums:
+            record["sha256"] = checksums[rel]
+        out.append(record)
+    return out
+
+
 def to_json(obj: Any, what: str) -> bytes:
     try:
         return json.dumps(obj, indent=1, sort_keys=True, allow_nan=False).encode()
@@ -171,9 +254,11 @@ def to_json(obj: Any, what: str) -> bytes:
 
 
 def new_manifest(
-    fingerprint: str, kind: str, lineage: dict[str, Any], files: list[tuple[str, int]], extra: dict[str, Any]
+    fingerprint: str, kind: str, lineage: dict[str, Any], files: list[tuple[str, int]], extra: dict[str, Any],
+    checksums: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The manifest a commit writes for ``files`` (sorted (relative path, size) pairs)."""
+    """The manifest a commit writes for ``files`` (sorted (relative path, size) pairs) and their
+    ``checksums`` (:func:`payload_checksums`)."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -182,6 +267,6 @@ def new_manifest(
         "lineage": lineage,
         "created": datetime.now(timezone.utc).isoformat(),
         "size_bytes": sum(size for _, size in files),
-        "files": [{"path": rel, "size": size} for rel, size in files],
+        "files": file_records(files, checksums or {}),
         "extra": extra,
     }

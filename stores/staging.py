@@ -27,7 +27,16 @@ from stores.durable import (
 )
 from stores.errors import CatalogError, StaleStagingWarning, StoreFullError
 from stores.lock import FileLock, LockHolder
-from stores.manifest import LAST_USED, MANIFEST, PINNED, Entry, new_manifest, payload_files, to_json
+from stores.manifest import (
+    LAST_USED,
+    MANIFEST,
+    PINNED,
+    Entry,
+    new_manifest,
+    payload_checksums,
+    payload_files,
+    to_json,
+)
 
 if TYPE_CHECKING:
     from stores.catalog import Catalog
@@ -189,7 +198,8 @@ class Staging:
         if pin:
             atomic_write_bytes(path / PINNED, b"")
         fsync_tree(path)
-        manifest = new_manifest(self.fingerprint, self.kind, self.lineage, files, extra_manifest or {})
+        manifest = new_manifest(self.fingerprint, self.kind, self.lineage, files, extra_manifest or {},
+                                payload_checksums(path, files))
         atomic_write_bytes(path / MANIFEST, to_json(manifest, f"manifest of {self.fingerprint}"))
         self._committed = self.catalog._publish(self.fingerprint, path)
         return self._committed

@@ -7,9 +7,10 @@ verify``) and report *everything* wrong at once, precisely enough for a repair s
 rewrite just the bad chunks: each :class:`Problem` names the entry, the file, and for
 chunks the zarr hierarchy, array and chunk index.
 
-Non-zarr payload files are checked for presence and recorded size only; the manifest
-holds no per-file hash (hashing a multi-GB entry at commit would double the write time
-on a slow card).
+Every other payload file (weights, results, zarr metadata, an HDF5 file) is checked against the
+sha256 its manifest recorded at commit. :func:`damaged_files` is the quick form a catalog runs
+each time an entry is used: the checksummed files a stage reads whole, so a flipped byte in a
+stored model is never trained from (the bulk HDF5 file is left to ``cache verify``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pathlib import Path
 from typing import Literal
 
 from stores.errors import StoreError
+from stores.manifest import BULK_FILES, file_sha256
 
-ProblemKind = Literal["missing_file", "size_mismatch", "unexpected_file", "unreadable_zarr", "corrupt_chunk"]
+ProblemKind = Literal["missing_file", "size_mismatch", "checksum_mismatch", "unexpected_file",
+                      "unreadable_zarr", "corrupt_chunk"]
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,28 @@ def zarr_hierarchies(root: Path) -> list[str]:
     return sorted(found)
 
 
+def damaged_files(path: Path, files: dict[str, int], checksums: dict[str, str],
+                  skip: frozenset[str] = BULK_FILES) -> list[str]:
+    """The checksummed files of the entry at ``path`` (but ``skip``) that are missing, have another size
+    than recorded, or no longer match their sha256: what must never be read as the entry's data."""
+    bad = []
+    for rel, digest in sorted(checksums.items()):
+        if rel in skip:
+            continue
+        try:
+            if (path / rel).stat().st_size != files.get(rel) or file_sha256(path / rel) != digest:
+                bad.append(rel)
+        except OSError:
+            bad.append(rel)
+    return bad
+
+
 def verify_entry(
-    fingerprint: str, path: Path, manifest_files: dict[str, int], payload: Iterable[tuple[str, int]]
+    fingerprint: str, path: Path, manifest_files: dict[str, int], payload: Iterable[tuple[str, int]],
+    checksums: dict[str, str] | None = None,
 ) -> VerifyReport:
-    """Compare ``payload`` (the files actually there) with the manifest, then check every zarr chunk."""
+    """Compare ``payload`` (the files actually there) with the manifest and its ``checksums``, then check
+    every zarr chunk."""
     problems: list[Problem] = []
     actual = dict(payload)
     for rel, size in sorted(manifest_files.items()):
@@ -117,6 +138,23 @@ def verify_entry(
                     "size_mismatch",
                     rel,
                     f"file {rel} has {actual[rel]} bytes, the manifest recorded {size}",
+                )
+            )
+    for rel, digest in sorted((checksums or {}).items()):
+        if actual.get(rel) != manifest_files.get(rel):
+            continue  # missing or resized: said above
+        try:
+            found = file_sha256(path / rel)
+        except OSError as exc:
+            found = f"unreadable ({exc.strerror or exc})"
+        if found != digest:
+            problems.append(
+                Problem(
+                    fingerprint,
+                    "checksum_mismatch",
+                    rel,
+                    f"file {rel} is damaged: its sha256 is {found[:16]}..., the manifest recorded "
+                    f"{digest[:16]}...",
                 )
             )
     for rel in sorted(set(actual) - set(manifest_files)):
