@@ -18,24 +18,29 @@ from pydantic_core import ErrorDetails
 
 from .device import check_device_name
 from .errors import MissingPathError, ModelError, RecipeError, did_you_mean
+from .recipe_model import RecipeModel
 from .registry import stage_class
 from .stage import Stage
 
 STAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+# A recipe is a few kB of YAML. Limits that refuse a hostile or wrong file quickly and in little memory,
+# far beyond any real recipe: its size, the values it expands to through YAML aliases ("billion
+# laughs": each level repeats the one before), and how deeply it nests.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 64
 
 Path_ = tuple[str | int, ...]
 
 
-class StoreConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class StoreConfig(RecipeModel):
     path: str | None = Field(
         None, description="store directory; default $ONDEVICE_TL_STORE or a per-user cache"
     )
     max_bytes: int | None = Field(None, ge=0, description="size budget for the store (bytes)")
 
 
-class RunConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class RunConfig(RecipeModel):
     device: str = Field(
         "cpu",
         description="where the stages compute: cpu, cuda, cuda:N (a GPU's index) or auto (CUDA when "
@@ -63,14 +68,13 @@ class RunConfig(BaseModel):
         raise ValueError("expected auto or an int >= 1 (a fixed number of threads)")
 
 
-class ExecutorConfig(BaseModel):
+class ExecutorConfig(RecipeModel):
     """Where stage A's cache build runs: in this process (``local``) or on a Dask cluster (``dask``).
 
     Never part of a fingerprint: where the work runs does not change what is stored, so a
     cache built on a cluster is reused by a device's local run and the other way round.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     type: Literal["local", "dask"] = "local"
     address: str | None = Field(
         None,
@@ -113,8 +117,8 @@ class ExecutorConfig(BaseModel):
         return self
 
 
-class Recipe(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+class Recipe(RecipeModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<recipe>") -> Recipe:
@@ -218,7 +222,9 @@ def _yaml_problem(exc: yaml.YAMLError, source: str, what: str) -> str:
     context = getattr(exc, "context_mark", None)
     mark = context or getattr(exc, "problem_mark", None)
     where = f"{source}:{mark.line + 1}" if mark else source
-    detail = getattr(exc, "problem", None) or str(exc)
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow: no mark, a position
+        return f"{where}: {what}: character #x{exc.character:04x} at offset {exc.position}: {exc.reason}"
+    detail = getattr(exc, "problem", None) or " ".join(str(exc).split())
     if context is not None and getattr(exc, "context", None):
         problem_mark = getattr(exc, "problem_mark", None)
         at = f" at line {problem_mark.line + 1}" if problem_mark else ""
@@ -226,12 +232,69 @@ def _yaml_problem(exc: yaml.YAMLError, source: str, what: str) -> str:
     return f"{where}: {what}: {detail}"
 
 
+def read_recipe_text(path: Path) -> str:
+    """The recipe file's text: UTF-8 (a byte-order mark allowed), at most ``MAX_RECIPE_BYTES``; anything
+    else is refused naming the file (and the line of the first byte that is not UTF-8)."""
+    size = path.stat().st_size
+    if size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: the recipe file has {size} bytes; a recipe is at most {MAX_RECIPE_BYTES} "
+                          "bytes of YAML (is this the recipe file?)")
+    raw = path.read_bytes()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise RecipeError(f"{path}: the recipe is UTF-16 text; save it as UTF-8")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise RecipeError(f"{path}:{line}: the recipe is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                          f"column {column}); save it as UTF-8") from None
+
+
+def _check_expansion(root: yaml.Node, source: str) -> None:
+    """Refuse a node tree that aliases make huge, self-referencing, or nest too deeply (before anything
+    expands it: pyyaml shares an aliased node, and the loaded data would repeat it)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        line = node.start_mark.line + 1
+        if key in open_nodes:
+            raise RecipeError(f"{source}:{line}: an alias refers to a node that contains it (a "
+                              "self-referencing anchor); a recipe must be a tree")
+        if depth > MAX_YAML_DEPTH:
+            raise RecipeError(f"{source}:{line}: nested more than {MAX_YAML_DEPTH} levels deep")
+        open_nodes.add(key)
+        n = 1
+        if isinstance(node, yaml.MappingNode):
+            n += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n += sum(size(v, depth + 1) for v in node.value)
+        open_nodes.discard(key)
+        if n > MAX_YAML_VALUES:
+            raise RecipeError(f"{source}:{line}: this expands to more than {MAX_YAML_VALUES} values through "
+                              "YAML aliases (aliases that repeat aliases: an 'alias bomb'?); a recipe has "
+                              "far fewer")
+        sizes[key] = n
+        return n
+
+    size(root, 0)
+
+
 def _line_map(text: str, source: str) -> dict[Path_, int]:
-    """Field path -> 1-based line, from the safe composer's node tree."""
+    """Field path -> 1-based line, from the safe composer's node tree (checked by :func:`_check_expansion`
+    first, so walking it cannot blow up)."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise RecipeError(_yaml_problem(exc, source, "not valid YAML")) from None
+    except RecursionError:  # pyyaml's composer recurses once per nesting level
+        raise RecipeError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep") from None
+    if root is not None:
+        _check_expansion(root, source)
     lines: dict[Path_, int] = {}
 
     def walk(node: yaml.Node, path: Path_) -> None:
@@ -307,7 +370,8 @@ def _describe(err: ErrorDetails, model: type[BaseModel] | None) -> str:
     if kind == "missing":
         return "required field is missing"
     found = err.get("input")
-    return f"{err['msg']}; found {found!r}"
+    message = err["msg"].removeprefix("Value error, ")  # our own validators' messages read as the others'
+    return f"{message}; found {found!r}"
 
 
 def _raise(
@@ -444,7 +508,7 @@ def _load(path: str | Path, overrides: list[str] | None, *, check_models: bool) 
         raise MissingPathError(
             f"recipe file not found: {path} (expected a YAML file, e.g. recipes/quickstart.yaml)"
         )
-    text = path.read_text()
+    text = read_recipe_text(path)
     source = str(path)
     lines = _line_map(text, source)
     try:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
+from .recipe_model import RecipeModel
 from .spec import DATASET, Spec
 
 if TYPE_CHECKING:
@@ -80,8 +79,7 @@ class StageCall:
     lineage: Lineage | None = None
 
 
-class Stage(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Stage(RecipeModel):
 
     type_name: ClassVar[str]
     version: ClassVar[int] = 1

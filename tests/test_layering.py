@@ -20,7 +20,8 @@ An arrow means "may import"; nothing imports a layer above its own:
     0 shared    pipeline (the package: it imports nothing; the API names it exports are looked up in
                 pipeline.api and the modules named there when first read), pipeline.errors, spec,
                 stage, context, stream, lazy, progress, switches, storepath, heap, threads, fingerprint,
-                sizes, ops.batching: importable from every layer, and importing only each other (and
+                sizes, ops.batching, recipe_model (the base of every model a recipe fills in):
+                importable from every layer, and importing only each other (and
                 stores). fingerprint.py is pure hashing over shared types, and stages derive the keys
                 of what they store through it; ops.batching is the batch type streams (stream.py)
                 are made of.
@@ -46,6 +47,7 @@ SHARED = {
     "pipeline", "pipeline.errors", "pipeline.spec", "pipeline.stage", "pipeline.context", "pipeline.stream",
     "pipeline.lazy", "pipeline.progress", "pipeline.switches", "pipeline.storepath", "pipeline.heap",
     "pipeline.threads", "pipeline.fingerprint", "pipeline.ops.batching", "pipeline.device", "pipeline.sizes",
+    "pipeline.recipe_model",
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",

@@ -12,12 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..device import pin
 from ..lazy import lazy_module
 from ..ops.batching import Batch
 from ..ops.prefetch import on_prefetch_thread, prefetch
+from ..recipe_model import RecipeModel
 from ..spec import Spec
 from ..stream import Stream, StreamStats
 from .dataset import DatasetValue
@@ -36,10 +37,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class AugmentConfig(BaseModel):
+class AugmentConfig(RecipeModel):
     """Input-space augmentation; applied to the splits in ``splits`` only."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     random_resized_crop: tuple[float, float] | None = Field(None, description="scale range, e.g. [0.5, 1.0]")
     crop_padding: int | None = Field(None, ge=0, description="pad then random crop back to size")
     hflip: float = Field(0.0, ge=0.0, le=1.0)

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ..errors import ModelError
 from ..lazy import lazy_module
+from ..recipe_model import FiniteModel, plain_value
 from .variants import Variant
 
 if TYPE_CHECKING:
@@ -42,8 +43,7 @@ else:
 
 
 
-class _Method(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _Method(FiniteModel):  # ``type`` is the union's discriminator
     type: str  # each method narrows it to its own literal, the recipe's ``type:``
 
     def label(self) -> str:
@@ -95,6 +95,12 @@ class TinyTLMethod(_Method):
     lite_groups: int = Field(2, ge=1)
     lite_downsample: int = Field(2, ge=1, description="average-pool factor before the lite conv")
     lite_expand: float = Field(1.0, gt=0, description="lite conv width / block input width")
+
+    @field_validator("gn_channels_per_group", "lite_kernel", "lite_groups", "lite_downsample", "lite_expand",
+                     mode="before")
+    @classmethod
+    def _plain(cls, value: Any, info: ValidationInfo) -> Any:
+        return plain_value(cls, value, info)
 
     @field_validator("lite_kernel")
     @classmethod

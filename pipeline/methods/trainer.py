@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..device import out_of_memory
 from ..errors import DataError, ModelError
@@ -23,6 +23,7 @@ from ..lazy import lazy_module
 from ..models.weights import save_weights
 from ..ops.prefetch import EpochPrefetch
 from ..progress import Progress
+from ..recipe_model import RecipeModel
 from ..threads import StepPacer, step_pacer
 from .amp import AmpPolicy, module_device, pinned, to_device
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, restore_rng, rng_state, save_checkpoint
@@ -38,7 +39,7 @@ else:
 Batches = Iterable[tuple["torch.Tensor", "torch.Tensor"]]
 
 
-class TrainConfig(BaseModel, frozen=True, extra="forbid"):
+class TrainConfig(RecipeModel):
     epochs: int = Field(10, ge=1)
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)

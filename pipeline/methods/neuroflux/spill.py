@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from stores.catalog import Catalog, EntryUse, Staging
 from stores.errors import BudgetError
@@ -29,6 +29,7 @@ from ...fingerprint import derived_fingerprint
 from ...lazy import lazy_module
 from ...ops.batching import Batch
 from ...ops.cache import StoredStream, write_stream
+from ...recipe_model import RecipeModel
 from ...spec import STREAM, FieldSpec, Spec, SplitSpec
 from ...stream import MapStream, Stream
 
@@ -42,10 +43,9 @@ else:
 SPILL_KIND = "neuroflux-spill"
 
 
-class SpillConfig(BaseModel):
+class SpillConfig(RecipeModel):
     """How a block's outputs are stored and shuffled: the cache codec's settings (they change results)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     bits: Literal[1, 2, 4, 8, 16, 32] = Field(
         32, description="training split: n-bit quantile codes (1-8) or float16/32; val/test stay float"
