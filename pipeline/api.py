@@ -24,7 +24,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import PathPermissionError, RecipeError, StageError, Terminated, did_you_mean
+from .errors import (
+    PathPermissionError,
+    RecipeError,
+    StageError,
+    StoreBudgetError,
+    Terminated,
+    did_you_mean,
+)
 from .recipe import Recipe, apply_overrides, recipe_from_dict
 from .recipe import load_recipe as _load_recipe_file
 
@@ -213,12 +220,15 @@ def run(
     max_bytes: int | None = None,
     output: str | Path | None = None,
     quiet: bool = False,
+    force: bool = False,
 ) -> RunResult:
     """Run a recipe as ``python -m pipeline run`` does: compute what is not stored, reuse what is.
 
     ``overrides`` as for :func:`load_recipe`; ``store``/``max_bytes`` as ``--store``/``--max-bytes``;
-    ``output`` is the run directory (default ``runs/<recipe>/<UTC time>``); ``quiet`` silences the
-    progress lines (written to stderr). Raises the toolkit's errors (bad recipe, missing data, a
+    ``output`` is the run directory (default ``runs/<recipe>/<UTC time>``): one that holds another run is
+    refused unless ``force`` (then that run's files are replaced); ``quiet`` silences the
+    progress lines (written to stderr). A store budget that cannot hold what the run plans to store is
+    refused before any work. Raises the toolkit's errors (bad recipe, missing data, a
     damaged store); an interrupted run raises ``KeyboardInterrupt`` with nothing partial committed.
 
     Example::
@@ -229,7 +239,7 @@ def run(
         print(result.summary_line)
         print(result.outputs["two_stage"]["accuracy"], result.run_dir)
     """
-    from .report import failure_of, recording_skipped_samples, write_run_outputs
+    from .report import clear_run_dir, failure_of, recording_skipped_samples, write_run_outputs
     from .runner import Runner
     from .threads import install as install_threads
     from .threads import uninstall as uninstall_threads
@@ -238,9 +248,11 @@ def run(
     for warning in random_backbone_warnings(resolved):
         print(warning, file=sys.stderr)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(output) if output is not None else Path("runs") / resolved.name / stamp
+    run_dir = Path(output) if output is not None else _unused(Path("runs") / resolved.name / stamp)
+    clear_run_dir(run_dir, force=force)  # refused before any work when it holds another run
     # The store is checked first, so a bad store leaves no empty run directory behind.
     ctx = run_context(resolved, store=store, max_bytes=max_bytes, output=run_dir, quiet=quiet, writes=True)
+    check_budget(resolved, ctx)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text("")
@@ -287,6 +299,35 @@ def run(
         stages={r.name: r for r in reports},
         outputs={name: runner.output(name) for name in runner.graph.targets},
     )
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... when two runs start within the same second."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def check_budget(recipe: Recipe, ctx: Any) -> None:
+    """Refuse, before any work, a run whose planned entries cannot fit the store's byte budget: every entry
+    a run builds stays in use (not evictable) until it ends, so their estimated sizes together must fit."""
+    budget = ctx.catalog.max_bytes
+    if not budget:
+        return
+    from stores.manifest import human_size as human_bytes
+
+    from .runner import Runner
+
+    rows = [r for r in Runner(recipe, ctx).plan() if r.action == "compute" and r.estimate_bytes]
+    needed = sum(r.estimate_bytes or 0 for r in rows)
+    if needed > budget:
+        entries = ", ".join(f"{r.name} ~{human_bytes(r.estimate_bytes or 0)}" for r in rows)
+        raise StoreBudgetError(
+            f"the store budget ({human_bytes(budget)}, --max-bytes / store.max_bytes) cannot hold what this "
+            f"run stores: {human_bytes(needed)} ({entries}); raise the budget, or run a smaller recipe"
+        )
 
 
 def _ended(exc: BaseException) -> tuple[str, str | None]:

@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a recipe")
     recipe_args(run)
-    run.add_argument("--output", help="run directory (default runs/<recipe>/<timestamp>)")
+    run.add_argument("--output", help="run directory (default runs/<recipe>/<timestamp>); one that holds "
+                     "another run is refused unless --force")
+    run.add_argument("--force", action="store_true",
+                     help="replace the run that --output holds (its summary, report, plots and stages/)")
     run.add_argument("--quiet", action="store_true", help="no progress output, only the summary line")
     plan = sub.add_parser("plan", help="show the stage graph, fingerprints, and what is stored; no work done")
     recipe_args(plan)
@@ -177,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     result = run(
         args.recipe, args.overrides, store=args.store, max_bytes=args.max_bytes, output=args.output,
-        quiet=args.quiet,
+        quiet=args.quiet, force=args.force,
     )
     print(result.summary_line)
     return EXIT_OK

@@ -49,6 +49,16 @@ class MissingPathError(PipelineError, FileNotFoundError):
     """A path the run needs does not exist; the message says how to provide it."""
 
 
+class OutputError(PipelineError, ValueError):
+    """An output directory (``--output``) holds something a run or sweep would overwrite or mix with, or
+    is not a directory; the message names what is there and the way out (a new directory, ``--force``)."""
+
+
+class StoreBudgetError(PipelineError, ValueError):
+    """A run plans to store more than the store's byte budget (``--max-bytes``, ``store.max_bytes``) can
+    hold: refused before any work, naming the entries and their estimated sizes."""
+
+
 class PathPermissionError(PipelineError, PermissionError):
     """This user may not write a path the run needs (store, run directory); the message names the fix."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import shutil
 import sys
 import warnings
 from collections import defaultdict
@@ -22,7 +23,7 @@ from typing import Any
 import yaml
 
 from .data.image_folder import SkippedSamplesWarning
-from .errors import stage_of
+from .errors import OutputError, stage_of
 from .runner import Runner, StageReport
 from .spec import RESULT
 from .stages.derived_cut import blocks_run
@@ -196,6 +197,51 @@ def _plots(
         plt.close(fig)
         written.append("time_to_accuracy.png")
     return written
+
+
+# What a run writes into its run directory (write_run_outputs, the trainers' stages/<name>/ folders).
+RUN_FILES = ("summary.json", "report.md", "metrics.jsonl", "recipe.resolved.yaml", "curves.png",
+             "epoch_time.png", "time_to_accuracy.png")
+RUN_DIRS = ("stages",)
+
+
+def clear_run_dir(run_dir: Path, *, force: bool) -> None:
+    """Make ``run_dir`` ready for a new run, refusing (:class:`OutputError`) where that would overwrite or mix
+    with what it holds: another run (unless ``force``: then that run's files and folders are removed,
+    nothing else), other files, or a file in its place. A new or empty directory is left as it is."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputError(f"--output {run_dir} is a file, not a directory; give a new or empty directory")
+    if not run_dir.is_dir():
+        return
+    held = sorted(p.name for p in run_dir.iterdir())
+    if not held:
+        return
+    ours = set(RUN_FILES) | set(RUN_DIRS)
+    earlier = _describe_run(run_dir / "summary.json")
+    if earlier is None or not set(held) <= ours:
+        others = [name for name in held if name not in ours] or held
+        raise OutputError(f"--output {run_dir} is not empty and holds files that are not a run's "
+                          f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); give a new or "
+                          "empty directory")
+    if not force:
+        raise OutputError(f"--output {run_dir} holds another run ({earlier}); a run would mix its files "
+                          "with that one's: give a new directory, or pass --force to replace that run")
+    for name in held:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _describe_run(summary: Path) -> str | None:
+    try:
+        data = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "recipe" not in data:
+        return None
+    return f"recipe {data.get('recipe')!r}, {data.get('status', '?')}, created {data.get('created', '?')}"
 
 
 def write_run_outputs(

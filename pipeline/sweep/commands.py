@@ -49,7 +49,10 @@ def add_parsers(sub: Any) -> None:
     sw.add_argument("--address", help="dask: a running scheduler to use instead, e.g. tcp://HOST:8786 "
                     "(its workers must see the store and the sweep directory at the same paths)")
     sw.add_argument("--output", help="sweep directory (default runs/<recipe>-sweep/<timestamp>); an earlier "
-                    "sweep there is resumed: its finished variants are not run again")
+                    "sweep of the same grid there is resumed: its finished variants are not run again; "
+                    "another sweep there is refused unless --force")
+    sw.add_argument("--force", action="store_true",
+                    help="replace the sweep that --output holds (another recipe or grid)")
     sw.add_argument("--resume", metavar="DIR", help="resume the sweep in DIR (as --output DIR, and DIR must "
                     "hold one)")
     sw.add_argument("--store", help="store directory (overrides the recipe's store.path)")
@@ -71,7 +74,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             args.recipe, args.grid, overrides=args.overrides, random=args.random, seed=args.seed,
             executor=args.executor, workers=args.workers, address=args.address, output=args.output,
             resume=args.resume, store=args.store, target=args.target, quiet=args.quiet, plan_only=args.plan,
-            derive_cuts=args.derive_cuts,
+            derive_cuts=args.derive_cuts, force=args.force,
         )
     except KeyboardInterrupt:
         print("the sweep's finished variants are recorded: rerun the same command with --output of its "

@@ -7,6 +7,7 @@ directory are taken from their records, and the rest run (:mod:`pipeline.sweep.e
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -118,13 +119,52 @@ def _sweep_dir(base: Recipe, output: str | Path | None, resume: str | Path | Non
     return Path("runs") / f"{base.name}-sweep" / stamp
 
 
-def _check_earlier(sweep_dir: Path, base: Recipe) -> dict[str, Any] | None:
-    """An earlier sweep in ``sweep_dir`` must be of the same recipe: its records are resumed from."""
+# What a sweep writes into its directory; --force removes these, nothing else.
+SWEEP_OUTPUTS = (SWEEP_FILE, "sweep.csv", "sweep.md", "sweep.png", "variants", "best")
+
+
+def _grid_text(grid: Any) -> str:
+    try:
+        return " ".join(f"{a['key']}={','.join(map(str, a['texts']))}" for a in grid) or "no grid"
+    except (TypeError, KeyError):
+        return "an unreadable grid"
+
+
+def _check_earlier(sweep_dir: Path, base: Recipe, plan: Any, *, force: bool) -> dict[str, Any] | None:
+    """What ``sweep_dir`` holds: an earlier sweep of the same variants (resumed from: its finished ones are
+    kept), or nothing. Another sweep there (another recipe or grid), or files that are no sweep, are
+    refused before any work, since this sweep would replace its variants and best model; ``force``
+    removes that sweep's files first."""
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise GridError(f"--output {sweep_dir} is a file, not a directory; give a new or empty directory")
     earlier = read_sweep(sweep_dir)
-    if earlier is not None and earlier.get("recipe") != base.name:
-        raise GridError(f"{sweep_dir} holds a sweep of recipe {earlier.get('recipe')!r}, not {base.name!r}: "
-                        "choose another --output")
-    return earlier
+    if earlier is None:
+        held = sorted(p.name for p in sweep_dir.iterdir()) if sweep_dir.is_dir() else []
+        if held and not force:
+            raise GridError(f"--output {sweep_dir} is not empty and holds no sweep ({', '.join(held[:5])}"
+                            f"{', ...' if len(held) > 5 else ''}); give a new or empty directory")
+        return None
+    here = [(p.variant.id, list(p.variant.overrides)) for p in plan.variants]
+    recorded = earlier.get("variants")
+    variants: list[Any] = recorded if isinstance(recorded, list) else []
+    there = [(v.get("id"), v.get("overrides")) for v in variants if isinstance(v, dict)]
+    if earlier.get("recipe") == base.name and there == here:
+        return earlier
+    if not force:
+        finished = sum(isinstance(v, dict) and v.get("status") == "finished" for v in variants)
+        raise GridError(
+            f"--output {sweep_dir} holds another sweep (recipe {earlier.get('recipe')!r}, "
+            f"{_grid_text(earlier.get('grid'))}: {finished} of {len(variants)} variants finished); this "
+            "sweep would replace its variants and best model: give a new --output, or pass --force to "
+            "replace it"
+        )
+    for name in SWEEP_OUTPUTS:
+        path = sweep_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    return None
 
 
 def run_sweep(
@@ -146,6 +186,7 @@ def run_sweep(
     plan_only: bool = False,
     rewrite: Rewrite | None = None,
     derive_cuts: bool = True,
+    force: bool = False,
     echo: Callable[[str], None] = print,
 ) -> SweepResult:
     """Run every variant of a grid of overrides, sharing what they share, and rank them.
@@ -156,8 +197,9 @@ def run_sweep(
     apply to every variant (``--set``). ``executor``: ``local`` (one variant after another, here) or
     ``dask`` (shared caches built here first, then one task per variant on a local cluster of ``workers``
     processes, or on the scheduler at ``address``). ``output``: the sweep directory (default
-    ``runs/<recipe>-sweep/<UTC time>``); an earlier sweep there (or at ``resume``) is resumed: its
-    finished variants are not run again. ``target``: the trainer whose validation accuracy ranks the
+    ``runs/<recipe>-sweep/<UTC time>``); an earlier sweep of the same variants there (or at ``resume``)
+    is resumed: its finished variants are not run again; another sweep there is refused unless
+    ``force`` (then its files are replaced). ``target``: the trainer whose validation accuracy ranks the
     variants (default: the recipe's last target that trains). ``plan_only``: print the plan, run nothing.
     ``derive_cuts`` (default): a sweep over a frozen forward's cut runs the bottom once and derives the
     other cuts from the deepest one's stored features (see :func:`prepare`). ``rewrite``: applied to the
@@ -190,7 +232,7 @@ def run_sweep(
         echo(line)
     plan, base = prepared.plan, prepared.base
     sweep_dir = _sweep_dir(base, output, resume)
-    earlier = _check_earlier(sweep_dir, base)
+    earlier = _check_earlier(sweep_dir, base, plan, force=force)
     done = {p.variant.id: r for p in plan.variants if (r := finished_record(sweep_dir, p)) is not None}
     echo(f"sweep of {base.name}: " + "; ".join(plan.lines()))
     if done:

@@ -189,5 +189,45 @@ def test_a_sweep_directory_of_another_recipe_is_refused(upstream: tuple[Path, Pa
     out = tmp_path / "sweep"
     out.mkdir()
     (out / "sweep.json").write_text(json.dumps({"recipe": "other"}))
-    with pytest.raises(GridError, match="holds a sweep of recipe 'other', not 'tiny-sweep'"):
+    with pytest.raises(GridError, match="holds another sweep \\(recipe 'other'.*--force"):
         run_sweep(upstream[0], [f"{LR}=0.1"], store=tmp_path / "store", output=out, plan_only=True)
+
+
+def test_a_second_sweep_into_a_used_output_loses_nothing(
+    upstream: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, out = store_copy(upstream, tmp_path), tmp_path / "sweep"
+    grid = [f"{LR}=0.003,0.01"]
+    first = run_sweep(upstream[0], grid, store=store, output=out, quiet=True, echo=lambda m: None)
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    # another grid: refused before any work, naming what is there and the ways out
+    other = ["sweep", str(upstream[0]), "--grid", f"{LR}=0.03", "--store", str(store), "--output", str(out),
+             "--quiet"]
+    code = main(other)
+    err = capsys.readouterr().err
+    assert code == 2 and "holds another sweep" in err and "2 of 2 variants finished" in err, err
+    assert "--force" in err
+    after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after == before  # nothing written, nothing lost
+    # the same grid: resumed, its finished variants kept
+    again = run_sweep(upstream[0], grid, store=store, output=out, quiet=True, echo=lambda m: None)
+    assert [v["val_accuracy"] for v in again.variants] == [v["val_accuracy"] for v in first.variants]
+    # --force: the other grid replaces it whole (no variant of the old grid left behind)
+    assert main([*other, "--force"]) == 0
+    data = json.loads((out / "sweep.json").read_text())
+    assert [v["overrides"] for v in data["variants"]] == [[f"{LR}=0.03"]]
+    assert sorted(p.name for p in (out / "variants").iterdir()) == ["001"]
+
+
+def test_a_sweep_into_a_file_or_a_foreign_folder_is_refused(
+    upstream: tuple[Path, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(GridError, match="is a file, not a directory"):
+        run_sweep(upstream[0], [f"{LR}=0.1"], store=tmp_path / "store", output=tmp_path / "file",
+                  plan_only=True)
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_text("x")
+    with pytest.raises(GridError, match="is not empty and holds no sweep \\(a.jpg\\)"):
+        run_sweep(upstream[0], [f"{LR}=0.1"], store=tmp_path / "store", output=tmp_path / "photos",
+                  plan_only=True)
