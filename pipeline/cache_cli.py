@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -329,8 +330,10 @@ def cmd_rm(args: argparse.Namespace, catalog: Catalog) -> int:
     entry = find_entry(catalog, args.entry)
     try:
         catalog.remove(entry.fingerprint, force=args.force)
-    except EntryInUseError as exc:
-        print(f"error: {exc}")
+    except EntryInUseError:
+        print(f"error: entry {entry.fingerprint[:12]} is in use by a reader (a running training or build, in "
+              "this or another process); stop it first, or pass --force (that reader's next reads then fail)",
+              file=sys.stderr)
         return EXIT_FAILED
     print(f"removed {entry.fingerprint[:12]} ({human_size(entry.size_bytes)})")
     return EXIT_OK

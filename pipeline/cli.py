@@ -225,6 +225,8 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 # Commands that only read recipes: they need pyyaml and pydantic, nothing heavier.
 RECIPE_ONLY_COMMANDS = frozenset({"validate", "stages", "new"})
+# Commands that build store entries: an interruption of one says what becomes of its partial work.
+BUILDING_COMMANDS = frozenset({"run", "sweep", "choose"})
 # What every other command imports once it starts working. Checked first, so a half-installed
 # Python gets the setup message before a stage has run, not after an hour of training.
 RUNTIME_MODULES = ("torch", "torchvision", "zarr", "numcodecs", "tqdm")
@@ -288,13 +290,18 @@ def _main(args: argparse.Namespace) -> int:
             _check_runtime()
         return COMMANDS[args.command](args)
     except KeyboardInterrupt as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        builds = args.command in BUILDING_COMMANDS or getattr(args, "cache_command", None) == "repair"
         print(
-            f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: nothing partial "
-            "was committed to the store; an interrupted cache build resumes from its verified chunks on "
-            "the next run",
+            f"{what}: nothing partial was committed to the store; an interrupted cache build resumes from "
+            "its verified chunks on the next run" if builds else what,
             file=sys.stderr,
         )
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+    except BrokenPipeError:  # `... | head`: the reader has all it wanted; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit is quiet too
+        return EXIT_OK
     except CorruptChunkError as exc:  # data went bad on disk while working: not the user's input
         if os.environ.get("ONDEVICE_TL_DEBUG"):
             raise

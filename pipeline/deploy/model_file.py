@@ -29,7 +29,7 @@ import numpy as np
 from ..data.stream import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import MissingPathError, ModelError
 from ..lazy import lazy_module
-from ..models.weights import load_weights, save_weights, state_dict_hash
+from ..models.weights import load_weights, not_a_torch_file, save_weights, state_dict_hash
 from ..spec import DATASET, MODEL
 
 if TYPE_CHECKING:
@@ -308,6 +308,10 @@ def check_description(meta: Mapping[str, Any], path: Path) -> dict[str, Any]:
 def read_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, description) of a model file, its format, version and checksum checked."""
     path = Path(path)
+    kind = not_a_torch_file(path)
+    if kind is not None:
+        raise ModelFileError(f"{path} is {kind}, not a model file: the model comes first (a run directory, a "
+                             "model.pt, or an exported .pt2/.onnx/.ts file), then the images")
     try:
         state, meta = load_weights(path)
     except ModelError as exc:

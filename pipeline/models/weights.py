@@ -106,6 +106,28 @@ def save_weights(net: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
     return path
 
 
+# The first bytes of files people pass by mistake where a .pt file belongs (an image given as the model).
+_MAGIC = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image",
+          b"BM": "a BMP image", b"RIFF": "a WebP image (or another RIFF file)", b"%PDF": "a PDF document",
+          b"{": "a JSON or text file", b"\x1f\x8b": "a gzip archive"}
+
+
+def not_a_torch_file(path: Path) -> str | None:
+    """What ``path`` is when its first bytes say it is not a torch file (a zip archive, or a pickle from
+    older torch), else None."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"PK") or head[:1] == b"\x80":
+        return None
+    for magic, kind in _MAGIC.items():
+        if head.startswith(magic):
+            return kind
+    return None
+
+
 def load_weights(path: str | Path) -> tuple[StateDict, dict[str, Any]]:
     """(state_dict, meta) from a file written by ``save_weights`` or a plain ``torch.save(state_dict)``."""
     path = Path(path)
@@ -117,12 +139,20 @@ def load_weights(path: str | Path) -> tuple[StateDict, dict[str, Any]]:
         )
     if not path.is_file():
         raise ModelError(f"weights path {path} is not a file (expected a .pt state_dict file)")
+    kind = not_a_torch_file(path)
+    if kind is not None:
+        raise ModelError(f"weights file {path} is {kind}, not a file torch.save wrote (a .pt state_dict "
+                         "file)")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure means the same thing to the user
-        raise ModelError(f"cannot read weights file {path}: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''} (corrupt, truncated, or it holds "
-                         "objects other than tensors and plain values)") from None
+        # torch's own message suggests weights_only=False, which would run whatever code the file holds:
+        # never the advice for a file of unknown origin, so only its kind of failure is passed on.
+        reason = "it holds objects other than tensors and plain values, which are never loaded" \
+            if "weights_only" in str(exc) or "Unpickl" in type(exc).__name__ else \
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'}"
+        raise ModelError(f"cannot read weights file {path}: {reason} (corrupt, truncated, or not a file this "
+                         "toolkit or torch.save(model.state_dict()) wrote)") from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         state, meta = obj["state_dict"], obj.get("meta") or {}
     elif isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
