@@ -51,6 +51,12 @@ else:
 
 
 AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+# The frozen forward computes every batch as one of a multiple of this many samples (zero rows added,
+# their outputs dropped). Why: oneDNN picks how it blocks and splits a convolution by batch size, and
+# for a batch that is not a multiple of 16 (an epoch's short last batch) the split depends on the
+# thread count, so the same sample gave other bits at 1 and 2 threads; padded, a sample's output is
+# the same whatever the thread count and whatever batch it came in (tests/test_determinism.py).
+FORWARD_BLOCK = 16
 
 
 class ForwardStream(Stream):
@@ -87,7 +93,7 @@ class ForwardStream(Stream):
             try:
                 with torch.inference_mode(), ieee_fp32(self.device), \
                         torch.autocast(self.device.type, dtype, enabled=dtype is not None):
-                    x = self.bottom(batch["x"]).float()
+                    x = padded_forward(self.bottom, batch["x"]).float()
             except RuntimeError as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -104,6 +110,17 @@ class ForwardStream(Stream):
         return self.parent.stored_bytes()
 
 
+def padded_forward(module: torch.nn.Module, x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """``module(x)`` computed on ``x`` padded with zero samples to a multiple of ``block`` (default
+    ``FORWARD_BLOCK``); the padding's outputs are dropped. Only for a module that treats samples
+    independently (eval mode: no batch statistics)."""
+    n = len(x)
+    extra = -n % (FORWARD_BLOCK if block is None else block)
+    if not extra:
+        return module(x)
+    return module(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]))[:n]
+
+
 class FrozenForward(Stage):
     """The frozen bottom of a backbone (eval mode, no grad) up to the cut, in fp32, bf16 or int8."""
 
@@ -112,7 +129,8 @@ class FrozenForward(Stage):
     inputs: ClassVar[dict[str, str]] = {"input": STREAM, "model": MODEL}
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size"})
     # 2: batch norms folded into the convolutions (fp32/bf16): outputs differ in the last bits
-    version: ClassVar[int] = 2
+    # 3: batches padded to a multiple of FORWARD_BLOCK: a short batch's outputs no longer depend on threads
+    version: ClassVar[int] = 3
 
     input: str
     model: str
