@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stores.catalog import Entry, Staging
-from stores.errors import DamagedEntryError
 from stores.leases import EntryUse
 from stores.lock import LockHolder
 
@@ -217,13 +216,7 @@ class Runner:
         """The stored entry of ``fp``, held; None to compute it. A damaged one (a file that no longer matches
         its checksum, a manifest that does not parse) is never used: it is removed, rebuilt, and the user
         told why; while another run reads it, the run stops naming it."""
-        catalog = self.ctx.catalog
-        problem = catalog.manifest_problem(fp)
-        try:
-            held = catalog.try_use(fp)
-        except DamagedEntryError as exc:
-            problem = catalog.discard_damaged(exc)
-            held = None
+        held, problem = self.ctx.catalog.use_undamaged(fp)
         if problem is not None:
             self.ctx.progress.log(f"[{name}] the stored {stage.kind} {fp[:12]} is damaged ({problem}); "
                                   "rebuilding it")

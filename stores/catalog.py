@@ -321,12 +321,7 @@ class Catalog:
         process built it while this one waited for the lock, that entry is taken instead. The
         returned :class:`Built` holds the entry (not evictable) until ``use.release()``.
         """
-        replaced = self.manifest_problem(fingerprint)
-        try:
-            held = self.try_use(fingerprint)
-        except DamagedEntryError as exc:
-            replaced = self.discard_damaged(exc)
-            held = None
+        held, replaced = self.use_undamaged(fingerprint)
         if held is not None:
             return Built(held, reused=True, resumed=False)
         with self.stage(
@@ -337,6 +332,17 @@ class Catalog:
                 staging.commit(build(staging))
             held = self.use(fingerprint)  # inside the block, so nothing evicts it in between
         return Built(held, reused=reused, resumed=resumed, replaced=replaced)
+
+    def use_undamaged(self, fingerprint: str) -> tuple[EntryUse | None, str | None]:
+        """(the entry held, or None to build it; what was wrong with a damaged one, or None). A damaged
+        entry (a file that no longer matches its checksum, a manifest that does not parse) is removed so
+        it can be rebuilt under the same fingerprint; while another reader holds it, the
+        :class:`DamagedEntryError` goes to the caller."""
+        problem = self.manifest_problem(fingerprint)
+        try:
+            return self.try_use(fingerprint), problem
+        except DamagedEntryError as exc:
+            return None, self.discard_damaged(exc)
 
     def discard_damaged(self, damaged: DamagedEntryError) -> str:
         """Remove the damaged entry ``damaged`` names so it can be rebuilt; returns what was wrong, for the
