@@ -119,8 +119,11 @@ def test_budget_too_small_fails_before_any_work(
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert "cannot make room" in err and "budget" in err and "MiB" in err
-    assert not list((store / "entries").iterdir()) and not list((store / "staging").iterdir())
+    # refused at plan time, naming the entries it plans and their estimated sizes
+    assert "store budget (97.7 KiB" in err and "cannot hold what this run stores" in err, err
+    assert "cache ~" in err and "MiB" in err
+    for folder in (store / "entries", store / "staging"):
+        assert not (folder.exists() and list(folder.iterdir()))
 
 
 def test_budget_evicts_least_recently_used_but_never_pinned(built: dict, tmp_path: Path) -> None:
