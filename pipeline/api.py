@@ -38,7 +38,7 @@ from .recipe import load_recipe as _load_recipe_file
 if TYPE_CHECKING:
     from .context import RunContext
     from .data.cache_dataset import CacheDataset
-    from .runner import PlanRow, StageReport
+    from .runner import PlanRow, Runner, StageReport
     from .stages.feature_aug import FeatureAugment
 
 __all__ = ["RunResult", "cache_dataset", "load_recipe", "plan", "run", "run_context"]
@@ -252,7 +252,6 @@ def run(
     clear_run_dir(run_dir, force=force)  # refused before any work when it holds another run
     # The store is checked first, so a bad store leaves no empty run directory behind.
     ctx = run_context(resolved, store=store, max_bytes=max_bytes, output=run_dir, quiet=quiet, writes=True)
-    check_budget(resolved, ctx)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text("")
@@ -270,7 +269,8 @@ def run(
     with recording_skipped_samples() as skipped:
         try:
             try:
-                runner = Runner(resolved, ctx)
+                runner = Runner(resolved, ctx)  # resolves: a recipe that cannot run stops here
+                check_budget(runner, ctx.catalog.max_bytes)  # before any work
                 reports = runner.run()
             finally:
                 uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own
@@ -310,17 +310,15 @@ def _unused(path: Path) -> Path:
     return candidate
 
 
-def check_budget(recipe: Recipe, ctx: Any) -> None:
-    """Refuse, before any work, a run whose planned entries cannot fit the store's byte budget: every entry
-    a run builds stays in use (not evictable) until it ends, so their estimated sizes together must fit."""
-    budget = ctx.catalog.max_bytes
+def check_budget(runner: Runner, budget: int | None) -> None:
+    """Refuse, before any work, a run whose planned entries cannot fit the store's byte ``budget``: every
+    entry a run builds stays in use (not evictable) until it ends, so their estimated sizes together must
+    fit."""
     if not budget:
         return
     from stores.manifest import human_size as human_bytes
 
-    from .runner import Runner
-
-    rows = [r for r in Runner(recipe, ctx).plan() if r.action == "compute" and r.estimate_bytes]
+    rows = [r for r in runner.plan() if r.action == "compute" and r.estimate_bytes]
     needed = sum(r.estimate_bytes or 0 for r in rows)
     if needed > budget:
         entries = ", ".join(f"{r.name} ~{human_bytes(r.estimate_bytes or 0)}" for r in rows)

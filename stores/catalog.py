@@ -198,7 +198,9 @@ class Catalog:
         """
         return self._hold(fingerprint, touch=True)
 
-    def _hold(self, fingerprint: str, *, touch: bool) -> EntryUse | None:
+    def _hold(self, fingerprint: str, *, touch: bool, check: bool = True) -> EntryUse | None:
+        """``check``: the checksummed files against the manifest (not needed by what reads no data, such as
+        pinning, nor right after this process committed the files)."""
         path = self._entry_path(fingerprint)
         for _ in range(8):  # retried only if the entry is replaced between open and lock
             lock = DirLock(path)
@@ -212,7 +214,7 @@ class Catalog:
             if entry is None:
                 lock.release()
                 return None
-            damaged = damaged_files(path, entry.files, entry.checksums)
+            damaged = damaged_files(path, entry.files, entry.checksums) if check else []
             if damaged:
                 lock.release()
                 raise DamagedEntryError(fingerprint, str(path), tuple(damaged), entry.pinned)
@@ -330,7 +332,12 @@ class Catalog:
             reused, resumed = staging.existing is not None, staging.resumed
             if not reused:
                 staging.commit(build(staging))
-            held = self.use(fingerprint)  # inside the block, so nothing evicts it in between
+            # Inside the block, so nothing evicts it in between; files this process just committed and
+            # hashed are not hashed again.
+            held = self._hold(fingerprint, touch=True, check=reused)
+            if held is None:
+                raise StoreNotFoundError(f"entry {fingerprint} vanished right after it was committed in "
+                                         f"{self.root}; re-run the build")
         return Built(held, reused=reused, resumed=resumed, replaced=replaced)
 
     def use_undamaged(self, fingerprint: str) -> tuple[EntryUse | None, str | None]:
@@ -342,12 +349,7 @@ class Catalog:
         try:
             return self.try_use(fingerprint), problem
         except DamagedEntryError as exc:
-            return None, self.discard_damaged(exc)
-
-    def discard_damaged(self, damaged: DamagedEntryError) -> str:
-        """Remove the damaged entry ``damaged`` names so it can be rebuilt; returns what was wrong, for the
-        user. Raises ``damaged`` again while another reader holds the entry."""
-        return maintenance.discard_damaged(self, damaged)
+            return None, maintenance.discard_damaged(self, exc)
 
     def manifest_problem(self, fingerprint: str) -> str | None:
         """Why the entry directory of ``fingerprint`` is no entry although it has a manifest (a damaged
@@ -381,7 +383,7 @@ class Catalog:
         # Under a shared lock, so an evictor that already decided to take it finishes first
         # (and this raises) rather than evicting right after the marker is written. Pinning
         # is not a use: it does not change the LRU order.
-        handle = self._hold(fingerprint, touch=False)
+        handle = self._hold(fingerprint, touch=False, check=False)
         if handle is None:
             raise StoreNotFoundError(f"no complete entry {fingerprint} in the catalog at {self.root}")
         with handle as entry:

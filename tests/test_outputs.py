@@ -78,7 +78,8 @@ def test_a_budget_that_cannot_hold_the_run_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert code == 2 and "store budget (1 B, --max-bytes / store.max_bytes) cannot hold" in err, err
     assert "cache ~" in err  # the entries it plans, with their estimated sizes
-    assert not (tmp_path / "run").exists()
+    record = json.loads((tmp_path / "run" / "summary.json").read_text())  # as any run that stops says
+    assert record["status"] == "failed" and "cannot hold" in json.dumps(record["failure"])
     entries = list((store / "entries").iterdir()) if (store / "entries").exists() else []
     staging = list((store / "staging").iterdir()) if (store / "staging").exists() else []
     assert entries == [] and staging == []  # nothing was computed

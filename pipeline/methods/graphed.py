@@ -163,7 +163,6 @@ class StepGraph:
         self.static_loss: torch.Tensor | None = None
         self._keep: list[torch.Tensor] = []  # tensors the graph's kernels address: alive while it is
         self.replays = 0
-        self.eager_steps = 0
         make_capturable(opt, device)
 
     # ------------------------------------------------------------------------------------ the step
@@ -191,7 +190,6 @@ class StepGraph:
             self.replays += 1
             return self.static_loss
         self.opt.zero_grad(set_to_none=True)
-        self.eager_steps += 1
         return self._body(x, y)
 
     def _capture(self, x: Inputs, y: torch.Tensor, signature: tuple[Any, ...]) -> None:
