@@ -62,25 +62,35 @@ class DurableLocalStore(ZarrLocalStore):
     Only writing differs (see :func:`durable_put`); reading, listing and deleting are
     stock. A store wrapper rather than post-write fsyncs because only the writer knows
     the temp file before it becomes visible under its final name. It overrides the
-    public ``set``/``set_if_not_exists``/``set_sync`` of zarr's store API only.
+    public ``set``/``set_if_not_exists``/``set_sync`` of zarr's store API only, and
+    otherwise behaves as stock ``LocalStore`` does (zarr's own store conformance suite,
+    ``zarr.testing.store.StoreTests``, runs over it in tests/stores/test_durable_store.py):
+    a write opens a store not yet opened, and a read-only store refuses it with zarr's
+    own error.
     """
 
-    def _refuse_if_read_only(self, value: Buffer) -> None:
-        if self.read_only:
-            raise ValueError(f"store {self} was opened read-only")
+    def _before_write(self, value: Buffer) -> None:
+        self._check_writable()  # zarr's ValueError ("store was opened in read-only mode ...")
         if not isinstance(value, Buffer):
-            raise TypeError(f"DurableLocalStore.set(): value must be a zarr Buffer, got {type(value)}")
+            raise TypeError(
+                f"DurableLocalStore.set(): `value` must be a Buffer instance, got {type(value)} ({self})"
+            )
 
     def set_sync(self, key: str, value: Buffer) -> None:
-        self._refuse_if_read_only(value)
+        self._ensure_open_sync()
+        self._before_write(value)
         durable_put(self.root / key, value.as_buffer_like())
 
     async def set(self, key: str, value: Buffer) -> None:
-        self._refuse_if_read_only(value)
+        if not self._is_open:
+            await self._open()
+        self._before_write(value)
         await asyncio.to_thread(durable_put, self.root / key, value.as_buffer_like())
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        self._refuse_if_read_only(value)
+        if not self._is_open:
+            await self._open()
+        self._before_write(value)
         try:
             await asyncio.to_thread(durable_put, self.root / key, value.as_buffer_like(), True)
         except FileExistsError:
