@@ -263,7 +263,7 @@ def run(
     given = _override_texts(overrides)
     # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
     # then adapted by the training loops (pipeline/threads.py).
-    install_threads(resolved.run.threads, log=ctx.progress.log)
+    install_threads(resolved.run.threads, log=ctx.progress.log, deterministic=resolved.run.deterministic)
     start = time.perf_counter()
     runner: Runner | None = None
     with recording_skipped_samples() as skipped:

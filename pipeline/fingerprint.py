@@ -35,15 +35,22 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def stage_fingerprint(stage: Stage, parents: dict[str, str], identity: str | None) -> str:
-    """A stage fed by an uncacheable output is itself uncacheable (still unique per run)."""
-    payload = {
+def stage_fingerprint(stage: Stage, parents: dict[str, str], identity: str | None,
+                      numerics: str | None = None) -> str:
+    """A stage fed by an uncacheable output is itself uncacheable (still unique per run).
+
+    ``numerics`` names arithmetic that differs from the default's for the same config (a training
+    stage under ``run.deterministic: false``): such output never shares a key with the default's.
+    """
+    payload: dict[str, Any] = {
         "format": FINGERPRINT_FORMAT,
         "type": f"{stage.type_name}@{stage.version}",
         "config": stage.fingerprint_config(),
         "inputs": dict(sorted(parents.items())),
         "identity": identity,
     }
+    if numerics is not None:
+        payload["numerics"] = numerics
     digest = sha256_hex(canonical_json(payload))
     if not all(is_cacheable(fp) for fp in parents.values()):
         return UNCACHEABLE_PREFIX + digest[: 32]

@@ -51,6 +51,13 @@ class RunConfig(RecipeModel):
         description="torch intra-op threads: auto (the cores this process may use, adapted while training "
         "when other work slows the steps down) or a fixed count >= 1",
     )
+    deterministic: bool = Field(
+        True,
+        description="true: training and evaluation on a CPU compute in fixed micro-batches, one thread "
+        "each, so results are the same bytes at any thread count or load (pipeline/methods/microbatch.py); "
+        "false: intra-op threads, a little faster where batches are large, with last bits that follow "
+        "the thread count (recorded: trained entries get other fingerprints)",
+    )
 
     @field_validator("device", mode="before")
     @classmethod

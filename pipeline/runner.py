@@ -118,7 +118,7 @@ class Runner:
             identity = (
                 self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
             )
-            fp = stage_fingerprint(stage, parents, identity)
+            fp = stage_fingerprint(stage, parents, identity, self._numerics_key(stage))
         except UnhashableInput as exc:
             fp = uncacheable(name, str(exc))
         self.fingerprints[name] = fp
@@ -131,10 +131,25 @@ class Runner:
             config=stage.fingerprint_config(),
             inputs=parents,
             fingerprint=fp,
+            numerics=self._numerics(stage),
         )
         self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage)
         if stage.kind == DATASET:
             self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
+
+    def _numerics_key(self, stage: Stage) -> str | None:
+        """What keeps a training stage's thread-dependent output (run.deterministic: false) apart."""
+        return "thread-dependent" if stage.trains and not self.recipe.run.deterministic else None
+
+    def _numerics(self, stage: Stage) -> dict[str, Any]:
+        """The lineage's record of what the stored numbers depend on (pipeline/methods/microbatch.py)."""
+        if not stage.trains:
+            return {"thread_invariant": True}
+        if self.recipe.run.deterministic:
+            train = getattr(stage, "train", None)
+            return {"thread_invariant": True, "cpu": "micro-batches, one thread each",
+                    "micro_batch": getattr(train, "micro_batch", None)}
+        return {"thread_invariant": False, "threads": self.recipe.run.threads}
 
     def plan(self) -> list[PlanRow]:
         rows: list[PlanRow] = []

@@ -48,6 +48,9 @@ class Lineage:
     config: Mapping[str, Any]
     inputs: Mapping[str, str]
     fingerprint: str
+    # What the stored numbers depend on beyond the inputs: whether they are the same at every
+    # thread count, and if not, the thread setting they were computed under.
+    numerics: Mapping[str, Any] = field(default_factory=lambda: {"thread_invariant": True})
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class Lineage:
             "type": self.type,
             "config": dict(self.config),
             "inputs": dict(self.inputs),
+            "numerics": dict(self.numerics),
         }
 
     def entry_attrs(self, spec: Spec) -> dict[str, Any]:
@@ -91,6 +95,8 @@ class Stage(RecipeModel):
     resumable: ClassVar[bool] = False
     # config fields that never change the output (thread counts, prefetch depth, progress)
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset()
+    # trains a model: its numbers follow the thread count unless run.deterministic (the default)
+    trains: ClassVar[bool] = False
 
     # --- wiring -----------------------------------------------------------------
     def input_refs(self) -> dict[str, str]:

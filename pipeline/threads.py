@@ -11,6 +11,12 @@ count is faster, and now and then probes back up in case the machine went quiet.
 
 A fixed ``run.threads: N`` sets N once and never changes it.
 
+Under ``run.deterministic: true`` (the default) training and evaluation on a CPU compute in fixed
+micro-batches, each on one thread (:mod:`pipeline.methods.microbatch`): the count chosen here is then
+how many micro-batches run at once (what the controller adapts), while torch's intra-op pool stays at
+one thread, so no thread count ever changes a result. ``false`` restores intra-op threads that the
+controller adapts, whose reduction order (and so the last bits of the weights) follows the load.
+
 ``torch.set_num_threads`` is process-wide, so the policy is applied in one place (the CLI's ``run``
 installs it with :func:`install`) and changed only from the training loop's own thread, through the
 :class:`StepPacer` that :func:`step_pacer` hands each training loop.
@@ -363,6 +369,7 @@ class ThreadPolicy:
     setting: ThreadSetting
     cores: int
     log: Callable[[str], None] | None = None
+    deterministic: bool = True
     tuning: Tuning = field(default_factory=Tuning)
     clock: Callable[[], float] = time.perf_counter
     _last: ThreadController | None = field(default=None, repr=False)  # the latest loop's controller
@@ -374,14 +381,18 @@ class ThreadPolicy:
     def initial(self) -> int:
         return self.cores if self.setting == "auto" else int(self.setting)
 
-    def pacer(self) -> StepPacer:
+    def pacer(self, apply: Callable[[int], None] | None = None, start: int | None = None,
+              top: int | None = None) -> StepPacer:
+        """A pacer for one loop; by default it adapts torch's intra-op threads, or what ``apply`` sets
+        (the number of micro-batch threads), from ``start`` up to ``top``."""
         if not self.adaptive:
             return StepPacer(None)
         last = self._last
         wait = last.up_wait if last is not None and last.threads < last.ladder[-1] else None
-        controller = ThreadController(top=self.cores, start=torch.get_num_threads(),
-                                      apply=torch.set_num_threads, tuning=self.tuning, report=self.log,
-                                      probe_wait=wait)
+        controller = ThreadController(top=min(self.cores, top or self.cores),
+                                      start=start if start is not None else torch.get_num_threads(),
+                                      apply=apply or torch.set_num_threads, tuning=self.tuning,
+                                      report=self.log, probe_wait=wait)
         self._last = controller
         return StepPacer(controller, self.clock)
 
@@ -389,12 +400,17 @@ class ThreadPolicy:
 _installed: ThreadPolicy | None = None
 
 
-def install(setting: ThreadSetting, log: Callable[[str], None] | None = None) -> ThreadPolicy:
-    """Apply ``run.threads`` to this process (the one place that does): set torch's thread count,
-    and make :func:`step_pacer` adapt it when ``setting`` is ``auto``."""
+def install(setting: ThreadSetting, log: Callable[[str], None] | None = None, *,
+            deterministic: bool = True) -> ThreadPolicy:
+    """Apply ``run.threads`` and ``run.deterministic`` to this process (the one place that does): set
+    torch's thread count, and make :func:`step_pacer` adapt it when ``setting`` is ``auto``."""
     global _installed
-    policy = ThreadPolicy(setting, available_cores() if setting == "auto" else int(setting), log)
+    policy = ThreadPolicy(setting, available_cores() if setting == "auto" else int(setting), log,
+                          deterministic)
     torch.set_num_threads(policy.initial())
+    if deterministic:  # cuDNN's autotuner and its atomics-based kernels vary run to run
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
     _installed = policy
     return policy
 
@@ -405,7 +421,22 @@ def uninstall() -> None:
     _installed = None
 
 
-def step_pacer() -> StepPacer:
+def step_pacer(apply: Callable[[int], None] | None = None, start: int | None = None,
+               top: int | None = None) -> StepPacer:
     """A pacer for one training loop: adapting under ``run.threads: auto``, inert otherwise (a fixed
-    count, or no policy installed, as when the trainer is called from a script or a test)."""
-    return _installed.pacer() if _installed is not None else StepPacer(None)
+    count, or no policy installed, as when the trainer is called from a script or a test).
+    ``apply``/``start``/``top``: what it adapts instead of torch's intra-op threads (see
+    :meth:`ThreadPolicy.pacer`)."""
+    return _installed.pacer(apply, start, top) if _installed is not None else StepPacer(None)
+
+
+def deterministic() -> bool:
+    """Whether CPU training and evaluation compute thread-invariantly (``run.deterministic``; true
+    when no policy is installed: scripts and tests get the contract too)."""
+    return _installed.deterministic if _installed is not None else True
+
+
+def compute_threads() -> int:
+    """Threads a deterministic loop starts with: the installed count (auto: the usable cores), else
+    the cores this process may use."""
+    return _installed.initial() if _installed is not None else available_cores()

@@ -21,10 +21,11 @@ from tests.sweep.recipes import tiny_recipe
 
 
 def digest(entry: Path) -> dict[str, str]:
-    """sha256 of every payload file of an entry (bookkeeping files aside)."""
+    """sha256 of every content file of an entry: bookkeeping (the manifest, the last use) and the record
+    of the build that made it (``build.json``: its times) aside."""
     return {str(f.relative_to(entry)): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted(entry.rglob("*"))
-            if f.is_file() and f.name not in ("manifest.json", ".last_used")}
+            if f.is_file() and f.name not in ("manifest.json", ".last_used", "build.json")}
 
 
 def test_a_cache_built_at_one_and_two_threads_from_one_backbone_is_byte_identical(tmp_path: Path) -> None:

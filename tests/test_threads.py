@@ -280,14 +280,15 @@ def torch_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def _train_under(load: dict[int, float], setting: threads.ThreadSetting, steps: int = 96) -> int:
-    """Train a tiny model with the installed policy; each batch advances a fake clock by the time
-    ``load`` gives for the thread count torch has now. Returns torch's thread count at the end."""
+    """Train a tiny model with the installed policy (run.deterministic: false, where the controller
+    adapts torch's intra-op threads); each batch advances a fake clock by the time ``load`` gives for
+    the thread count torch has now. Returns torch's thread count at the end."""
     import torch
 
     from pipeline.methods.trainer import TrainConfig, train
 
     now = [0.0]
-    policy = threads.install(setting)
+    policy = threads.install(setting, deterministic=False)
     policy.clock = lambda: now[0]
 
     def batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -97,6 +97,15 @@ class AmpPolicy:
         self.scaler.step(opt)  # skipped (and the scale lowered) when a gradient overflowed
         self.scaler.update()
 
+    def apply(self, opt: torch.optim.Optimizer, params: list[nn.Parameter], grad_clip: float | None) -> None:
+        """The optimizer step for gradients already in ``.grad`` (computed elsewhere: micro-batches)."""
+        if self.scaler is not None:
+            raise StageError("fp16's gradient scaler scales the loss before the backward; a step from "
+                             "gradients computed elsewhere cannot use it (use bf16 or fp32)")
+        if grad_clip is not None:
+            nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+
     def state_dict(self) -> dict[str, Any]:
         return {"precision": self.precision, "scaler": self.scaler.state_dict() if self.scaler else {}}
 

@@ -15,15 +15,12 @@ from images. Each trainer logs its training-memory footprint (``pipeline.models.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
-
-from stores.durable import atomic_write_bytes
 
 from ..deploy.model_file import MODEL_FILE, save_transfer_model
 from ..device import out_of_memory
@@ -35,6 +32,7 @@ from ..ops.batching import rechunk, xy
 from ..spec import MODEL, RESULT, STREAM, Spec
 from ..stage import Stage, StageCall
 from ..stream import Stream
+from . import build_record
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
 from .amp import check_precision
 from .checkpoint import CHECKPOINT_FILE
@@ -63,6 +61,9 @@ class Finetune(Stage):
     """Train the top blocks + classifier: two_stage from cached features, or the single_stage baseline."""
 
     type_name: ClassVar[str] = "finetune"
+    # 2: CPU steps and evaluation in fixed micro-batches (run.deterministic): thread-invariant weights
+    version: ClassVar[int] = 2
+    trains: ClassVar[bool] = True
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"model": MODEL, "images": STREAM, "features": STREAM}
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"memory_report", "prefetch"})
@@ -203,20 +204,21 @@ class Finetune(Stage):
         self, ctx: RunContext, inputs: dict[str, Any], staging: Path, call: StageCall
     ) -> dict[str, Any]:
         """Train into ``staging`` (a store entry keyed by this stage's fingerprint): ``best.pt`` and
-        ``result.json`` are kept; ``last.pt`` lets a killed build continue from its last epoch."""
+        ``result.json`` (with ``build.json``, its build's times) are kept; ``last.pt`` lets a killed
+        build continue from its last epoch."""
         metrics = self._train(ctx, inputs, call, staging)
         metrics.update(self.result_extras(call))
         (staging / CHECKPOINT_FILE).unlink(missing_ok=True)  # the entry is the result; resume is over
         for stray in staging.glob(".*.tmp"):  # a weights write a kill interrupted: never data
             stray.unlink()
-        atomic_write_bytes(staging / RESULT_FILE, json.dumps(metrics, default=float).encode())
+        build_record.write(staging, RESULT_FILE, metrics)  # times etc. apart: the result is content
         return {"accuracy": metrics["accuracy"], "mode": self.mode}
 
     def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> dict[str, Any]:
         """The stored result (an identical rerun does not retrain); its weights are copied to the run dir."""
         path = Path(entry.path)
         try:
-            metrics: dict[str, Any] = json.loads((path / RESULT_FILE).read_text())
+            metrics: dict[str, Any] = build_record.read(path, RESULT_FILE)
         except (OSError, ValueError) as exc:
             raise ModelError(f"stage {call.name!r}: cannot read the stored training result in {path}: "
                              f"{exc}; remove the entry (`python -m pipeline cache rm "

@@ -43,6 +43,9 @@ class Pretrain(Stage):
     """Train a backbone on source classes and store it as a content-addressed 'pretrained' artifact."""
 
     type_name: ClassVar[str] = "pretrain"
+    # 2: CPU steps and evaluation in fixed micro-batches (run.deterministic): thread-invariant weights
+    version: ClassVar[int] = 2
+    trains: ClassVar[bool] = True
     kind: ClassVar[str] = MODEL
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}
     cacheable: ClassVar[bool] = True

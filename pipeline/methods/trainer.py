@@ -24,10 +24,11 @@ from ..models.weights import save_weights
 from ..ops.prefetch import EpochPrefetch
 from ..progress import Progress
 from ..recipe_model import RecipeModel
-from ..threads import StepPacer, step_pacer
+from ..threads import StepPacer, compute_threads, deterministic, step_pacer
 from .amp import AmpPolicy, module_device, pinned, to_device
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, restore_rng, rng_state, save_checkpoint
 from .graphed import StepGraph, graph_refusal, portable_optimizer_state, set_lr
+from .microbatch import DEFAULT_MICRO_BATCH, MicroBatches
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,10 @@ class TrainConfig(RecipeModel):
     cuda_graph: Literal["auto", "on", "off"] = Field(
         "auto", description="capture the training step as a CUDA graph (pipeline.methods.graphed): auto "
         "where it can (CUDA, fp32/bf16, adamw/adam/sgd), on (refused where it cannot), off (eager)")
+    micro_batch: int = Field(
+        DEFAULT_MICRO_BATCH, ge=1, description="run.deterministic on a CPU: samples per micro-batch, each "
+        "computed on one thread and summed in a fixed order (pipeline.methods.microbatch); batch norm "
+        "layers normalise over a micro-batch")
     seed: int = 0
 
     @field_validator("cuda_graph", mode="before")
@@ -119,22 +124,35 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.
     return cls(params, **kwargs)
 
 
-def evaluate(model: nn.Module, batches: Batches, *, precision: str = "fp32") -> tuple[float, float, int]:
+def thread_invariant(device: torch.device) -> bool:
+    """Whether loops on ``device`` compute in micro-batches (``run.deterministic``, on a CPU)."""
+    return device.type == "cpu" and deterministic()
+
+
+def evaluate(model: nn.Module, batches: Batches, *, precision: str = "fp32",
+             micro: MicroBatches | None = None) -> tuple[float, float, int]:
     """(mean cross-entropy, accuracy, samples) in eval mode; no label smoothing, so runs compare.
 
     Runs where the model's parameters are, at ``precision`` (autocast, as it was trained); the
-    loss is summed in fp32 either way.
+    loss is summed in fp32 either way. On a CPU under ``run.deterministic``, in micro-batches
+    (``micro``, or new ones of the default size), so the figures do not depend on the thread count.
     """
     model.eval()
     device = module_device(model)
+    if micro is None and thread_invariant(device):
+        with MicroBatches(model, DEFAULT_MICRO_BATCH, compute_threads()) as own:
+            return evaluate(model, batches, precision=precision, micro=own)
     amp = AmpPolicy(precision, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     n = 0
     with torch.no_grad():
         for x, y in to_device(batches, device):
-            with amp.autocast():
-                logits = model(x)
+            if micro is not None:
+                logits = micro.forward(x, amp.autocast)
+            else:
+                with amp.autocast():
+                    logits = model(x)
             logits = logits.float()
             # Accumulated on the device: one synchronization at the end, not two per batch.
             loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
@@ -174,6 +192,7 @@ class _Loop:
     progress: Callable[[dict[str, Any]], None] | None = None
     pace: StepPacer | None = None
     graph: StepGraph | None = None  # the step as a CUDA graph (train.cuda_graph), else the eager step
+    micro: MicroBatches | None = None  # the step in micro-batches (run.deterministic on a CPU)
 
 
 def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int | None,
@@ -192,16 +211,26 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
         # Before the forward, not just before backward: the last step's gradients are freed before
         # this step's activations are allocated, which reuses memory that is still in cache.
         opt.zero_grad(set_to_none=True)
-        with loop.amp.autocast():
-            logits = model(x)
-            loss = loss_fn(logits, y)
-        value = loss.detach().item()
+        if loop.micro is not None:
+            def loss_of(xi: torch.Tensor, yi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = model(xi)
+                return loss_fn(out, yi), out
+
+            value, logits = loop.micro.gradients(x, y, loop.params, loss_of, loop.amp.autocast)
+        else:
+            with loop.amp.autocast():
+                logits = model(x)
+                loss = loss_fn(logits, y)
+            value = loss.detach().item()
         if not math.isfinite(value):
             raise ModelError(
                 f"training diverged: loss is {value} at epoch {epoch}, step {step} "
                 f"(lr {ep.lr:.3g}); lower train.lr, set train.grad_clip, or check the inputs for NaN/inf"
             )
-        loop.amp.step(loss, opt, loop.params, cfg.grad_clip)
+        if loop.micro is not None:
+            loop.amp.apply(opt, loop.params, cfg.grad_clip)
+        else:
+            loop.amp.step(loss, opt, loop.params, cfg.grad_clip)
         ep.loss_sum += value * len(y)
         # Counted on the device: the loss's .item() above is this step's only wait for the device.
         correct = correct + (logits.detach().argmax(1) == y).sum()
@@ -300,7 +329,14 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     device = module_device(model)
     amp = AmpPolicy(cfg.precision, device)
     opt = make_optimizer(params, cfg)
-    loop = _Loop(model, opt, params, cfg, amp, device, progress, step_pacer())
+    micro = None
+    if thread_invariant(device):
+        micro = MicroBatches(model, cfg.micro_batch, compute_threads(), log)
+        top = -(-batch_size // cfg.micro_batch) if batch_size else None  # more threads than parts idle
+        pace = step_pacer(micro.set_workers, micro.workers, top)
+    else:
+        pace = step_pacer()
+    loop = _Loop(model, opt, params, cfg, amp, device, progress, pace, micro=micro)
     result = TrainResult()
     start = 0
     saved = None
@@ -339,7 +375,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
         ahead = EpochPrefetch(open_epoch, cfg.epochs - start, read_ahead, name="train-batches")
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), (closing(ahead) if ahead is not None else nullcontext()):
+    with torch.random.fork_rng(devices=cuda), (closing(ahead) if ahead is not None else nullcontext()), \
+            (micro if micro is not None else nullcontext()):
         torch.manual_seed(cfg.seed)
         if saved is not None:
             restore_rng(saved["rng"], device)
@@ -367,7 +404,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
                 improved = True
                 if eval_batches is not None:
                     t1 = time.perf_counter()
-                    val_loss, val_acc, val_n = evaluate(model, eval_batches(), precision=cfg.precision)
+                    val_loss, val_acc, val_n = evaluate(model, eval_batches(), precision=cfg.precision,
+                                                        micro=micro)
                     record.update(val_loss=val_loss, val_acc=val_acc, val_samples=val_n,
                                   eval_seconds=time.perf_counter() - t1)
                     improved = result.best_val_acc is None or val_acc > result.best_val_acc

@@ -10,6 +10,7 @@ never downloaded: constructors always get ``weights=None``.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class TopNet(nn.Module):
         return self.head(x)
 
 
+_FOLDING = threading.Lock()
+
+
 class FrozenBottomNet(nn.Module):
     """bottom (frozen, eval mode, no autograd graph) followed by a trainable top.
 
@@ -127,8 +131,10 @@ class FrozenBottomNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._folded:
-            frozen = not any(p.requires_grad for p in self.bottom.parameters())
-            self._folded.append(fold_batch_norms(self.bottom) if frozen else self.bottom)
+            with _FOLDING:  # micro-batches call forward from several threads at once
+                if not self._folded:
+                    frozen = not any(p.requires_grad for p in self.bottom.parameters())
+                    self._folded.append(fold_batch_norms(self.bottom) if frozen else self.bottom)
         with torch.no_grad():
             h = self._folded[0](x)
         return self.top(h)

@@ -23,7 +23,7 @@ out of GPU memory is a :class:`~pipeline.errors.DeviceMemoryError` naming the st
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -110,7 +110,8 @@ class ForwardStream(Stream):
         return self.parent.stored_bytes()
 
 
-def padded_forward(module: torch.nn.Module, x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def padded_forward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                   block: int | None = None) -> torch.Tensor:
     """``module(x)`` computed on ``x`` padded with zero samples to a multiple of ``block`` (default
     ``FORWARD_BLOCK``); the padding's outputs are dropped. Only for a module that treats samples
     independently (eval mode: no batch statistics)."""

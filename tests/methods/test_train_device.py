@@ -173,7 +173,9 @@ class RunsOutOfMemory(nn.Module):
 def test_out_of_memory_names_stage_batch_size_and_setting_and_keeps_the_checkpoint(tmp_path: Path) -> None:
     net = RunsOutOfMemory(after=7)  # 6 steps an epoch: the second epoch fails
     with pytest.raises(DeviceMemoryError) as err:
-        train(net, net.parameters(), lambda e: batches(TRAIN), lambda: batches(VAL), TrainConfig(epochs=3),
+        # one micro-batch per batch, so forward calls count steps
+        train(net, net.parameters(), lambda e: batches(TRAIN), lambda: batches(VAL),
+              TrainConfig(epochs=3, micro_batch=1024),
               checkpoint_dir=tmp_path, resume_key="fp", label="two_stage", batch_size=32,
               batch_setting="stages.two_stage.batch_size")
     message = str(err.value)

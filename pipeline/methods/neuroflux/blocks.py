@@ -9,7 +9,6 @@ it. Spills older than the one being read are dropped once the newer one exists, 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from ...device import out_of_memory
 from ...fingerprint import derived_fingerprint
 from ...models.weights import load_weights, save_weights
 from ...stream import Stream
+from .. import build_record
 from .aux import LocalLayer
 from .local import BlockState, train_block
 from .models import LayerNet
@@ -130,7 +130,7 @@ class BlockRun:
     def _load(self, path: Path, layers: list[LocalLayer]) -> list[dict[str, Any]]:
         state, _ = load_weights(Path(path) / "weights.pt")
         nn.ModuleList(layers).load_state_dict(state)
-        return json.loads((Path(path) / "history.json").read_text())
+        return list(build_record.read(Path(path), "history.json"))
 
     def _train(self, block: Block, layers: list[LocalLayer], fp: str) -> list[dict[str, Any]]:
         cfg = self.stage.train
@@ -180,7 +180,7 @@ class BlockRun:
                     progress=bar.update,
                 )
             save_weights(nn.ModuleList(layers), staging.path / "weights.pt", {"block": block.index})
-            (staging.path / "history.json").write_text(json.dumps(state.history))
+            build_record.write(staging.path, "history.json", state.history)  # epoch times to build.json
             checkpoint.unlink()
             trained.append(state.history)
             return {"block": block.index, "layers": list(block.layers), "batch_size": block.batch_size}

@@ -8,7 +8,10 @@ is the same loop over all layers as one block.
 
 Runs where the layers are (batches are moved there, from pinned memory on CUDA), at
 ``train.precision``: each layer's forward and loss under autocast, its step through its own
-gradient scaler for fp16 (``pipeline.methods.amp``).
+gradient scaler for fp16 (``pipeline.methods.amp``). On a CPU under ``run.deterministic`` the
+batch is computed in micro-batches (``pipeline.methods.microbatch``): every layer's forward runs on
+the weights before any step (as above), so the layers' losses are summed into one backward whose
+gradients land on disjoint parameters, and then each layer steps.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +27,10 @@ import torch
 from torch import nn
 
 from ...errors import DataError, ModelError
+from ...threads import compute_threads
 from ..amp import AmpPolicy, module_device, to_device
-from ..trainer import TrainConfig, make_optimizer
+from ..microbatch import DEFAULT_MICRO_BATCH, MicroBatches
+from ..trainer import TrainConfig, make_optimizer, thread_invariant
 from .aux import LocalLayer
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
@@ -90,19 +96,59 @@ def local_step(
     return losses, correct
 
 
+def _heads(layers: Sequence[LocalLayer], x: torch.Tensor, y: torch.Tensor | None,
+           loss_fn: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's head logits, stacked (samples, layers, classes), and the sum of their losses
+    (each layer fed the detached output of the one before)."""
+    h, total, logits = x, None, []
+    for m in layers:
+        out = m.layer(h)
+        logits.append(m.head(out))
+        if loss_fn is not None:
+            loss = loss_fn(logits[-1], y)
+            total = loss if total is None else total + loss
+        h = out.detach()
+    return (total if total is not None else torch.zeros(())), torch.stack(logits, 1)
+
+
+def micro_local_step(micro: MicroBatches, layers: Sequence[LocalLayer],
+                     optimizers: Sequence[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor,
+                     loss_fn: nn.Module, amp: AmpPolicy) -> tuple[list[float], list[int]]:
+    """:func:`local_step` in micro-batches, thread-invariant; per layer (loss, correct predictions)."""
+    params = [p for m in layers for p in m.parameters()]
+    _, logits = micro.gradients(x, y, params, lambda xi, yi: _heads(layers, xi, yi, loss_fn),
+                                amp.autocast)
+    losses, correct = [], []
+    for i, opt in enumerate(optimizers):
+        amp.apply(opt, list(layers[i].parameters()), None)
+        with torch.no_grad():
+            losses.append(float(loss_fn(logits[:, i].float(), y)))
+        correct.append(int((logits[:, i].argmax(1) == y).sum()))
+    return losses, correct
+
+
 def evaluate_heads(layers: Sequence[LocalLayer], batches: Batches) -> list[float]:
     """Accuracy of every layer's auxiliary head (the exit after that layer)."""
     for m in layers:
         m.eval()
     correct, n = [0] * len(layers), 0
     device = module_device(layers[0]) if layers else torch.device("cpu")
-    with torch.no_grad():
-        for x, y in to_device(batches, device):
-            h = x
-            for i, m in enumerate(layers):
-                h = m.layer(h)
-                correct[i] += int((m.head(h).argmax(1) == y).sum())
-            n += len(y)
+    if thread_invariant(device) and layers:
+        with MicroBatches(nn.ModuleList(layers), DEFAULT_MICRO_BATCH, compute_threads()) as micro:
+            for x, y in to_device(batches, device):
+                logits = micro.forward(x, AmpPolicy("fp32", device).autocast,
+                                       lambda xi: _heads(layers, xi, None, None)[1])
+                for i in range(len(layers)):
+                    correct[i] += int((logits[:, i].argmax(1) == y).sum())
+                n += len(y)
+    else:
+        with torch.no_grad():
+            for x, y in to_device(batches, device):
+                h = x
+                for i, m in enumerate(layers):
+                    h = m.layer(h)
+                    correct[i] += int((m.head(h).argmax(1) == y).sum())
+                n += len(y)
     if n == 0:
         raise DataError("evaluation batches yielded no samples (is the validation split empty?)")
     return [c / n for c in correct]
@@ -124,6 +170,21 @@ def train_block(
     device = module_device(state.layers[0]) if state.layers else torch.device("cpu")
     if not state.amps:
         state.amps = [AmpPolicy(cfg.precision, device) for _ in state.layers]
+    micro = None
+    if thread_invariant(device) and state.layers:
+        micro = MicroBatches(nn.ModuleList(state.layers), cfg.micro_batch, compute_threads())
+    with micro if micro is not None else nullcontext():
+        _train_epochs(state, micro, train_batches, eval_batches, cfg, loss_fn, device,
+                      steps_per_epoch=steps_per_epoch, layer_names=layer_names, on_epoch=on_epoch,
+                      progress=progress)
+    return state
+
+
+def _train_epochs(state: BlockState, micro: MicroBatches | None, train_batches: Callable[[int], Batches],
+                  eval_batches: Callable[[], Batches] | None, cfg: TrainConfig, loss_fn: nn.Module,
+                  device: torch.device, *, steps_per_epoch: int, layer_names: Sequence[str],
+                  on_epoch: Callable[[BlockState, dict[str, Any]], None] | None,
+                  progress: Callable[[int], None] | None) -> None:
     while state.epoch < cfg.epochs:
         epoch = state.epoch
         for m in state.layers:
@@ -139,7 +200,11 @@ def train_block(
                 for opt in state.optimizers:
                     for group in opt.param_groups:
                         group["lr"] = lr
-                losses, hits = local_step(state.layers, state.optimizers, x, y, loss_fn, state.amps)
+                if micro is not None:
+                    losses, hits = micro_local_step(micro, state.layers, state.optimizers, x, y, loss_fn,
+                                                    state.amps[0])
+                else:
+                    losses, hits = local_step(state.layers, state.optimizers, x, y, loss_fn, state.amps)
                 for i, (loss, hit) in enumerate(zip(losses, hits, strict=True)):
                     if not math.isfinite(loss):
                         raise ModelError(
@@ -168,4 +233,3 @@ def train_block(
         state.history.append(record)
         if on_epoch is not None:
             on_epoch(state, record)
-    return state

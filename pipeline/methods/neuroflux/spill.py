@@ -31,6 +31,7 @@ from ...ops.batching import Batch
 from ...ops.cache import StoredStream, write_stream
 from ...recipe_model import RecipeModel
 from ...spec import STREAM, FieldSpec, Spec, SplitSpec
+from ...stages.forward import padded_forward
 from ...stream import MapStream, Stream
 
 if TYPE_CHECKING:
@@ -85,9 +86,15 @@ def block_output_stream(
         with torch.no_grad():
             x = batch["x"]
             h = x.to(device, non_blocking=True)  # the trained layers' device (CUDA: a GPU forward)
-            for m in layers:
-                h = m(h)
+            # Padded as the frozen forward pads: a short batch's spilled bits then do not depend on
+            # the thread count (pipeline/stages/forward.py).
+            h = padded_forward(through, h)
         return {**batch, "x": h.to(x.device)}  # the spill is written from where its input came
+
+    def through(h: torch.Tensor) -> torch.Tensor:
+        for m in layers:
+            h = m(h)
+        return h
 
     return MapStream(parent, forward, spec)
 

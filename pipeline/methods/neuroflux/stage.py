@@ -104,6 +104,10 @@ class _BudgetedTraining(Stage):
     kind: ClassVar[str] = RESULT
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "eval_batch_size"})
+    # 2: CPU steps and evaluation in fixed micro-batches (run.deterministic), spills padded as the
+    # frozen forward pads: thread-invariant weights and spills
+    version: ClassVar[int] = 2
+    trains: ClassVar[bool] = True
 
     input: str = Field(description="decoded image stream with train, val (and test) splits")
     arch: str = Field(

@@ -1,0 +1,309 @@
+"""Training and evaluation whose numbers do not depend on the thread count (``run.deterministic``).
+
+Why: a CPU op split across N threads reduces in an order that depends on N (a weight gradient's sum
+over the batch, a batch norm's mean), so one step at 1 and at 2 threads differs in the last bits, and
+``run.threads: auto`` changes N with the machine's load: the same recipe trained to other weights
+beside a busy process. Here each batch is cut into micro-batches of a fixed size (``train.micro_batch``),
+each computed start to end on one thread (torch's intra-op pool at one thread), and their gradients
+are summed in micro-batch order. The thread count only decides how many micro-batches run at once,
+never what any of them computes, so the adaptive thread controller may change it freely.
+
+What the cut changes in the model's arithmetic, and how it stays a pure function of the batch:
+
+- **batch norm** layers in training normalise with their micro-batch's statistics (ghost batch
+  norm); their running statistics are updated once per step, from the size-weighted mean of the
+  micro-batches' means and variances, added in a fixed order on the calling thread.
+- **dropout** (and torchvision's stochastic depth) draws its masks from a generator seeded by the
+  step (one draw from torch's global generator, so a resumed run continues the sequence) and the
+  micro-batch's index, not from the global generator that the threads would race for.
+- A model that draws from torch's global generator in some other way is caught on the first step,
+  which always runs its micro-batches one after another on the calling thread: if the generator's
+  state moved, every later step does the same (the same numbers, at one thread's speed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = lazy_module("torch")
+    nn = lazy_module("torch.nn")
+
+
+def register_module_forward_pre_hook(hook: Callable[..., Any]) -> Any:
+    return nn.modules.module.register_module_forward_pre_hook(hook)
+
+
+def register_module_forward_hook(hook: Callable[..., Any]) -> Any:
+    return nn.modules.module.register_module_forward_hook(hook)
+
+DEFAULT_MICRO_BATCH = 16
+
+_here = threading.local()  # which micro-batch the calling thread computes, read by the layer hooks
+
+
+def micro_slices(n: int, micro: int) -> list[slice]:
+    """``n`` samples cut into consecutive micro-batches of ``micro`` (the last one shorter)."""
+    return [slice(start, min(start + micro, n)) for start in range(0, n, micro)]
+
+
+def groups(count: int, workers: int) -> list[range]:
+    """``count`` micro-batches dealt to at most ``workers`` threads, in consecutive runs."""
+    workers = max(1, min(workers, count))
+    size, extra = divmod(count, workers)
+    out, start = [], 0
+    for w in range(workers):
+        stop = start + size + (1 if w < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The process's micro-batch threads (one pool, grown on demand: training loops come and go)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=True)
+            _pool, _pool_size = ThreadPoolExecutor(workers, thread_name_prefix="micro-batch"), workers
+        return _pool
+
+
+def _dropout_types() -> tuple[type, ...]:
+    types: list[type] = [nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d]
+    try:
+        from torchvision.ops import StochasticDepth
+        types.append(StochasticDepth)
+    except ImportError:  # torchvision is optional for a plain torch model
+        pass
+    return tuple(types)
+
+
+def _mask_shape(module: nn.Module, out: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the keep mask ``module`` draws for ``out`` (broadcast over what it keeps whole)."""
+    if isinstance(module, nn.Dropout):
+        return tuple(out.shape)
+    if isinstance(module, (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)):
+        return (*out.shape[:2], *[1] * (out.dim() - 2))  # whole channels
+    if getattr(module, "mode", "row") == "row":  # stochastic depth: whole samples ...
+        return (out.shape[0], *[1] * (out.dim() - 1))
+    return tuple([1] * out.dim())  # ... or the whole batch
+
+
+class MicroBatches:
+    """One model's steps in micro-batches on a pool of threads (see the module's docstring).
+
+    ``gradients`` computes a training step's gradients into the parameters' ``.grad``; ``forward``
+    an evaluation pass. ``workers`` (how many micro-batches run at once) may change between steps
+    (:meth:`set_workers`): the results do not. Use as a context manager: it holds torch at one
+    intra-op thread and keeps hooks on the model's batch norm and dropout layers until closed.
+    """
+
+    def __init__(self, model: nn.Module, micro: int, workers: int,
+                 log: Callable[[str], None] | None = None) -> None:
+        if micro < 1:
+            raise ValueError(f"micro-batch size must be >= 1, got {micro}")
+        self.model, self.micro, self.log = model, micro, log
+        self.workers = max(1, workers)
+        self.sequential: bool | None = None  # unknown until the first training step
+        # Any: torch types a module's attributes as Tensor | Module, these are floats and buffers
+        # Batch norms with the stock forward (a subclass with its own, like MobileTL's shift-only
+        # norm that never updates its statistics, is left as it is).
+        stock = nn.modules.batchnorm._BatchNorm.forward
+        self._norms: list[Any] = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                  and type(m).forward is stock]
+        drop_types = _dropout_types()
+        self._drops: list[Any] = [m for m in model.modules() if isinstance(m, drop_types)]
+        self._stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._collecting: set[int] = set()  # ids of the norms whose statistics this step notes
+        self._dropping: dict[int, float] = {}  # id -> the drop probability this step applies itself
+        self._hooks: list[Any] = []
+        self._threads_before: int | None = None
+
+    # -- lifetime
+    def __enter__(self) -> MicroBatches:
+        # Global hooks, not hooks on the layers: a model copied while they are on (a frozen bottom
+        # folded at its first forward) must not carry them. They act only on this model's layers,
+        # during a step (the two tables below are empty otherwise).
+        self._hooks = [register_module_forward_pre_hook(self._note_statistics),
+                       register_module_forward_hook(self._apply_mask)]
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def set_workers(self, workers: int) -> None:
+        self.workers = max(1, int(workers))
+
+    # -- running micro-batches
+    def _run(self, count: int, work: Callable[[int], Any], *, sequential: bool = False) -> list[Any]:
+        """``work(i)`` for every micro-batch index, results in index order."""
+        if sequential or self.workers == 1 or count == 1:
+            return [work(i) for i in range(count)]
+        parts = groups(count, self.workers)
+
+        def run_group(indices: range) -> list[Any]:
+            return [work(i) for i in indices]
+
+        out: list[Any] = []
+        for results in _executor(len(parts)).map(run_group, parts):
+            out.extend(results)
+        return out
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor, params: Sequence[nn.Parameter],
+                  step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                  context: Callable[[], Any]) -> tuple[float, torch.Tensor]:
+        """One training step's gradients, into each parameter's ``.grad`` (None where unused).
+
+        ``step(x_i, y_i)`` returns the micro-batch's mean loss and its outputs; it runs inside
+        ``context()`` (autocast) with gradients on. Returns the batch's mean loss and the outputs.
+        """
+        n = len(y)
+        slices = micro_slices(n, self.micro)
+        seed = int(torch.randint(0, 2**62, ()).item()) if self._drops else 0
+        active = [m for m in self._norms if m.training and m.track_running_stats
+                  and m.running_mean is not None]
+        kept = self._take_running(active)
+        self._dropping = {id(m): float(m.p) for m in self._drops if m.training and m.p > 0}
+        for m in self._drops:
+            if id(m) in self._dropping:
+                m.p = 0.0  # the hook applies the drop, from its own generator
+
+        def work(i: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+            s = slices[i]
+            _here.index = i
+            _here.generator = torch.Generator().manual_seed(seed + i) if self._dropping else None
+            try:
+                with torch.enable_grad(), context():
+                    loss, out = step(x[s], y[s])
+                weighted = loss.float() * ((s.stop - s.start) / n)
+                grads = torch.autograd.grad(weighted, list(params), allow_unused=True)
+            finally:
+                _here.index, _here.generator = None, None
+            return weighted.detach(), out.detach(), grads
+
+        ok = False
+        try:
+            if self.sequential is None:
+                before = torch.random.get_rng_state()
+                results = self._run(len(slices), work, sequential=True)
+                self.sequential = not torch.equal(before, torch.random.get_rng_state())
+                if self.sequential and self.log is not None:
+                    self.log("run.deterministic: the model draws random numbers from torch's global "
+                             "generator (a layer other than dropout or stochastic depth), so its "
+                             "micro-batches run one after another on one thread")
+            else:
+                results = self._run(len(slices), work, sequential=self.sequential)
+            ok = True
+        finally:
+            for m in self._drops:
+                if id(m) in self._dropping:
+                    m.p = self._dropping[id(m)]
+            self._dropping = {}
+            self._give_back_running(active, kept, slices, n, update=ok)
+        for j, p in enumerate(params):
+            total = None
+            for _, _, grads in results:  # in micro-batch order: the sum's rounding is fixed
+                g = grads[j]
+                if g is not None:
+                    total = g if total is None else total + g
+            p.grad = total
+        loss = results[0][0]
+        for weighted, _, _ in results[1:]:
+            loss = loss + weighted
+        return float(loss), torch.cat([out for _, out, _ in results])
+
+    def forward(self, x: torch.Tensor, context: Callable[[], Any],
+                fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``fn(x)`` (default: the model) without gradients, micro-batch by micro-batch, concatenated."""
+        fn = fn or self.model
+        slices = micro_slices(len(x), self.micro)
+
+        def work(i: int) -> torch.Tensor:
+            with torch.no_grad(), context():
+                return fn(x[slices[i]])
+
+        return torch.cat(self._run(len(slices), work))
+
+    # -- batch norm: statistics per micro-batch, running averages once per step
+    def _take_running(self, active: list[Any]) -> list[tuple[Any, Any, Any]]:
+        kept = []
+        for m in active:
+            kept.append((m.running_mean, m.running_var, m.num_batches_tracked))
+            # Without running buffers a training batch norm uses the batch's statistics and updates
+            # nothing, so threads never write to one tensor; the step updates them itself.
+            m.running_mean = m.running_var = m.num_batches_tracked = None
+            self._collecting.add(id(m))
+        return kept
+
+    def _give_back_running(self, active: list[Any], kept: list[tuple[Any, Any, Any]],
+                           slices: list[slice], n: int, *, update: bool) -> None:
+        try:
+            for m, (mean, var, tracked) in zip(active, kept, strict=True):
+                m.running_mean, m.running_var, m.num_batches_tracked = mean, var, tracked
+                if not update:
+                    continue
+                batch_mean: Any = None
+                batch_var: Any = None
+                for i, s in enumerate(slices):
+                    w = (s.stop - s.start) / n
+                    mi, vi = self._stats[(id(m), i)]
+                    batch_mean = mi * w if batch_mean is None else batch_mean + mi * w
+                    batch_var = vi * w if batch_var is None else batch_var + vi * w
+                with torch.no_grad():
+                    if tracked is not None:
+                        tracked.add_(1)
+                    f = m.momentum if m.momentum is not None else 1.0 / float(tracked)
+                    mean.mul_(1 - f).add_(batch_mean.to(mean.dtype), alpha=f)
+                    var.mul_(1 - f).add_(batch_var.to(var.dtype), alpha=f)
+        finally:
+            self._collecting.clear()
+            self._stats.clear()
+
+    def _note_statistics(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if id(module) not in self._collecting:
+            return
+        index = getattr(_here, "index", None)
+        if index is None:
+            return
+        x = args[0].detach()
+        with torch.no_grad():
+            var, mean = torch.var_mean(x.float(), dim=[0, *range(2, x.dim())], correction=1)
+        self._stats[(id(module), index)] = (mean, var)
+
+    # -- dropout: masks from the micro-batch's own generator
+    def _apply_mask(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        p = self._dropping.get(id(module))
+        if p is None:
+            return None
+        generator = getattr(_here, "generator", None)
+        if generator is None:
+            return None
+        if p >= 1.0:
+            return out * 0
+        keep = torch.empty(_mask_shape(module, out), dtype=out.dtype).bernoulli_(1 - p, generator=generator)
+        return out * keep / (1 - p)
