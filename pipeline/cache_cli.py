@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stores.catalog import Catalog, Entry, human_size
+from stores.verify import VerifyReport
 
 from .data.entry_ref import CacheEntryError, find_entry
 from .errors import PipelineError
@@ -46,7 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     with_store("du", "disk usage: entries, staging (interrupted builds), budget", json_out=True)
     verify = with_store(
-        "verify", "check every chunk's checksum and every file (all entries by default)", json_out=True
+        "verify",
+        "check every chunk (zarr's crc32c, HDF5's recorded crc32; each decoded) and every file's sha256 "
+        "(all entries by default)",
+        json_out=True,
     )
     verify.add_argument("entry", nargs="?", help="only this entry")
     repair = with_store("repair", "recompute only the corrupt chunks of an entry", entry=True)
@@ -250,42 +254,48 @@ def cmd_du(args: argparse.Namespace, catalog: Catalog) -> int:
     return EXIT_OK
 
 
+def _verify_row(r: VerifyReport) -> dict[str, Any]:
+    return {
+        "fingerprint": r.fingerprint,
+        "ok": r.ok,
+        "files_checked": r.files_checked,
+        "chunks_checked": r.chunks_checked,
+        "problems": [
+            {"kind": p.kind, "file": p.file, "container": p.container, "array": p.array, "chunk": p.chunk,
+             "where": p.where, "message": p.message}
+            for p in r.problems
+        ],
+        "notes": list(r.notes),
+        "fix": _fix(r) if not r.ok else None,
+    }
+
+
+def _fix(report: VerifyReport) -> str:
+    """The command that fixes ``report``'s entry: a chunk repair when chunks are all that is damaged."""
+    short = report.fingerprint[:12]
+    if all(p.kind in ("corrupt_chunk", "interrupted_repair") for p in report.problems):
+        return f"python -m pipeline cache repair {short}"
+    return f"python -m pipeline cache rm {short} (or rerun: a run rebuilds a damaged entry)"
+
+
 def cmd_verify(args: argparse.Namespace, catalog: Catalog) -> int:
     targets = [find_entry(catalog, args.entry)] if args.entry else catalog.entries()
     reports = [catalog.verify(e.fingerprint) for e in targets]
     damaged = [] if args.entry else _damaged_rows(catalog)
     if args.json:
-        print(
-            json.dumps(
-                [*damaged, *(
-                    {
-                        "fingerprint": r.fingerprint,
-                        "ok": r.ok,
-                        "files_checked": r.files_checked,
-                        "chunks_checked": r.chunks_checked,
-                        "problems": [
-                            {"kind": p.kind, "array": p.array, "chunk": p.chunk, "message": p.message}
-                            for p in r.problems
-                        ],
-                    }
-                    for r in reports
-                )],
-                indent=2,
-            )
-        )
+        print(json.dumps([*damaged, *(_verify_row(r) for r in reports)], indent=2))
     else:
         for r in reports:
             print(r.describe())
+            if not r.ok:
+                print(f"  fix: {_fix(r)}")
         for row in damaged:
             print(f"entry {row['fingerprint'][:12]}: {row['damaged']}; {row['fix']}")
         bad = [r for r in reports if not r.ok]
-        chunks_only = all(p.kind == "corrupt_chunk" for r in bad for p in r.problems)
-        fix = ("repair: python -m pipeline cache repair ENTRY" if chunks_only else
-               "repair: python -m pipeline cache repair ENTRY for damaged chunks; for other files, "
-               "python -m pipeline cache rm ENTRY, or rerun: a run rebuilds a damaged entry")
         print(
             f"{len(reports) + len(damaged)} entries verified: {len(reports) - len(bad)} ok, "
-            f"{len(bad) + len(damaged)} damaged" + (f" ({fix})" if bad or damaged else "")
+            f"{len(bad) + len(damaged)} damaged"
+            + (" (each one's fix is named above)" if bad or damaged else "")
         )
     return EXIT_OK if all(r.ok for r in reports) and not damaged else EXIT_FAILED
 
@@ -304,6 +314,8 @@ def cmd_repair(args: argparse.Namespace, catalog: Catalog) -> int:
     result = repair_entry(catalog, entry.fingerprint, recipe, overrides=args.overrides, progress=Progress())
     chunks = sum(len(v) for v in result["rewritten"].values())
     print(result["verify"].describe())
+    if result.get("resealed"):
+        print(f"resealed {entry.fingerprint[:12]}: {result['resealed']}")
     print(
         f"repaired {entry.fingerprint[:12]}: rewrote {chunks} chunks in {len(result['rewritten'])} arrays"
         if chunks

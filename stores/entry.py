@@ -9,6 +9,13 @@ reader with :func:`open_reader`, and use only what the :class:`EntryWriter` and
 attributes. Capabilities that differ between backends are declared attributes
 (``separate_decode``, ``device``, ``restart_reason``), not probed with ``hasattr``.
 
+Integrity is part of the contract too: :meth:`EntryReader.verify` checks every chunk of
+every array against its checksum and decodes it, naming the file (and for HDF5 the bytes)
+holding each bad one, and a :class:`ChunkRewriter` (:func:`open_rewriter`) replaces just
+those chunks with recomputed samples, crash-safely. ``cache verify`` (:mod:`stores.verify`)
+and ``cache repair`` use only these, with the backend picked from the container found
+(:func:`find_containers`), so both formats are verified and repaired the same way.
+
 Importing this module imports neither zarr nor h5py; each backend is imported when its
 format is opened, so an HDF5 entry is written and read without zarr.
 """
@@ -25,10 +32,36 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from stores.errors import EntryWriteError
+from stores.integrity import REPAIR_SUFFIX, ChunkChecksum, ChunkProblem, Rewrite
 from stores.layout import ArraySpec, split_name
 
 if TYPE_CHECKING:
     from stores.throttle import ThrottleDevice, ThrottleProfile
+
+__all__ = [
+    "FORMATS",
+    "H5_FILE",
+    "REPAIR_SUFFIX",
+    "ZARR_DIR",
+    "ChunkChecksum",
+    "ChunkProblem",
+    "ChunkRewriter",
+    "Container",
+    "EntryLayout",
+    "EntryReader",
+    "EntryWriter",
+    "Format",
+    "Rewrite",
+    "container_format",
+    "entry_format",
+    "find_containers",
+    "group_sample_bytes",
+    "open_container",
+    "open_reader",
+    "open_rewriter",
+    "open_writer",
+    "plan_chunk_samples",
+]
 
 Format = Literal["zarr", "hdf5"]
 FORMATS: tuple[Format, ...] = ("zarr", "hdf5")
@@ -36,8 +69,6 @@ FORMATS: tuple[Format, ...] = ("zarr", "hdf5")
 ZARR_DIR = "data.zarr"
 H5_FILE = "entry.h5"
 OnMismatch = Literal["raise", "wipe"]
-
-
 @dataclass(frozen=True)
 class EntryLayout:
     """Everything that fixes an entry's bytes besides the samples themselves.
@@ -119,6 +150,9 @@ class EntryReader(Protocol):
     path: Path
     separate_decode: bool
     device: ThrottleDevice | None
+    # What verify() checks each chunk against; None when the container records no per-chunk
+    # checksum (an HDF5 entry written before they were recorded): verify can then only decode.
+    chunk_checksum: ChunkChecksum | None
 
     @property
     def groups(self) -> list[str]: ...
@@ -143,7 +177,90 @@ class EntryReader(Protocol):
 
     def decode_chunk(self, raw: Any) -> dict[str, np.ndarray]: ...
 
+    def verify(self) -> list[ChunkProblem]:
+        """Read every chunk of every array once, check it against ``chunk_checksum`` and decode it;
+        the chunks that fail, in array then chunk order (memory stays at one chunk)."""
+        ...
+
     def close(self) -> None: ...
+
+
+class ChunkRewriter(Protocol):
+    """Replaces chunks of a finished container with recomputed samples (``cache repair``).
+
+    ``chunks``: array (full name) -> chunk index -> that chunk's samples (``chunk_samples``
+    of them, fewer for a group's last chunk). Everything is validated before anything is
+    written. A crash at any point leaves every chunk whole, old or new (see each backend);
+    chunks not named are kept byte for byte, and one that is itself damaged is refused, not
+    copied. The manifest's record of sizes and sha256s is the caller's to update
+    (``Catalog.reseal``) when :attr:`Rewrite.identical` is not True.
+    """
+
+    path: Path
+
+    def rewrite_chunks(self, chunks: Mapping[str, Mapping[int, np.ndarray]]) -> Rewrite: ...
+
+
+@dataclass(frozen=True)
+class Container:
+    """A zarr hierarchy or HDF5 entry file inside an entry directory: ``rel`` is its path relative
+    to the directory ('' when the directory itself is the zarr group), ``fmt`` its format."""
+
+    rel: str
+    fmt: Format
+
+
+def find_containers(entry_dir: str | os.PathLike[str]) -> list[Container]:
+    """Every container under ``entry_dir``, sorted by path: the outermost zarr hierarchies (nodes
+    nested in one belong to it) and every HDF5 entry file (named ``entry.h5``).
+
+    A directory whose zarr.json does not parse is listed too, so verify reports it instead
+    of skipping it.
+    """
+    root = Path(entry_dir)
+    found: list[Container] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel = Path(dirpath).relative_to(root).as_posix()
+        rel = "" if rel == "." else rel
+        if "zarr.json" in filenames:
+            found.append(Container(rel, "zarr"))
+            dirnames.clear()  # nested nodes belong to this hierarchy
+            continue
+        if H5_FILE in filenames:
+            found.append(Container(f"{rel}/{H5_FILE}" if rel else H5_FILE, "hdf5"))
+    return sorted(found, key=lambda c: c.rel)
+
+
+def container_format(path: str | os.PathLike[str]) -> Format:
+    """The format of the container at ``path``: a file is an HDF5 entry, a directory a zarr hierarchy."""
+    return "hdf5" if Path(path).is_file() else "zarr"
+
+
+def open_container(
+    path: str | os.PathLike[str],
+    *,
+    throttle: ThrottleProfile | ThrottleDevice | str | None = None,
+) -> EntryReader:
+    """The reader of the container at ``path`` (a zarr hierarchy's directory, or an HDF5 entry file)."""
+    if container_format(path) == "hdf5":
+        from stores.h5_reader import H5Reader
+
+        return H5Reader(path, throttle=throttle)
+    from stores.zarr_reader import ZarrReader
+
+    return ZarrReader(path, throttle=throttle)
+
+
+def open_rewriter(path: str | os.PathLike[str]) -> ChunkRewriter:
+    """The :class:`ChunkRewriter` of the finished container at ``path`` (zarr directory or HDF5 file)."""
+    if container_format(path) == "hdf5":
+        from stores.h5_repair import H5ChunkRewriter
+
+        return H5ChunkRewriter(path)
+    from stores.zarr_entry import ZarrChunkRewriter
+
+    return ZarrChunkRewriter(path)
 
 
 def entry_format(entry_dir: str | os.PathLike[str]) -> Format:
@@ -216,11 +333,10 @@ def open_reader(
     """
     entry_dir = Path(entry_dir)
     if entry_format(entry_dir) == "hdf5":
-        from stores.h5_reader import H5Reader
-
-        return H5Reader(entry_dir / H5_FILE, throttle=throttle)
+        return open_container(entry_dir / H5_FILE, throttle=throttle)
     from stores.zarr_reader import ZarrReader
 
+    # Not open_container: a missing data.zarr is a missing zarr entry, not an HDF5 file.
     return ZarrReader(entry_dir / ZARR_DIR, throttle=throttle)
 
 

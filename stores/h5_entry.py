@@ -18,6 +18,10 @@ The result is plain HDF5 (``h5py.File(path)["train/codes"][:]`` reads an array):
   round-trips, which HDF5 attributes alone cannot do), ``ondevice_tl_format`` and
   ``ondevice_tl_complete`` (set only by a successful ``close()``, so a reader refuses a file
   whose writer crashed or was abandoned instead of returning fill values).
+- The crc32 of every chunk's stored bytes, and the order rows were written in, recorded in
+  the group ``/.ondevice_tl_chunks`` by ``close()`` (:mod:`stores.h5_chunks` says why), so
+  ``cache verify`` names the damaged chunk and ``cache repair`` rewrites just it
+  (:mod:`stores.h5_repair`).
 - A chunk that was never written is reported as missing (HDF5 would silently return zeros).
 
 Writing buffers at most one chunk per array (plus the whole chunks of the current batch,
@@ -73,7 +77,6 @@ import json
 import os
 import time
 import warnings
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,7 @@ import numpy as np
 from stores.chunking import ChunkedWriter
 from stores.durable import FULL_DISK_ERRNOS, free_bytes, fsync_dir
 from stores.errors import EntryWriteError, StaleStagingWarning, StoreFullError, StoreNotFoundError
+from stores.h5_chunks import crc32, write_record
 from stores.h5_format import (
     ATTR_COMPLETE,
     ATTR_FORMAT,
@@ -173,6 +177,8 @@ class H5Writer(ChunkedWriter):
         self._log_fd: int | None = None
         self._last_sync = time.monotonic()
         self._rows = dict.fromkeys(self.groups, 0)  # rows (chunk indices) durable-logged per group
+        # Every row written, in order, with its chunks' crc32s: recorded in the file by close().
+        self._row_log: list[tuple[str, int, dict[str, int]]] = []
         salvage: tuple[h5py.File, list[Row]] | None = None
         if resume:
             salvage = self._salvage()
@@ -306,7 +312,7 @@ class H5Writer(ChunkedWriter):
                         mask, raw = old[name].id.read_direct_chunk(offset)
                     except Exception:  # noqa: BLE001 - missing or unreadable: the prefix ends here
                         break
-                    if zlib.crc32(raw) != row.crcs[name]:
+                    if crc32(raw) != row.crcs[name]:
                         break
                     chunks[name] = (int(mask), bytes(raw))
                 if len(chunks) != len(self._members[row.group]):
@@ -339,13 +345,17 @@ class H5Writer(ChunkedWriter):
         data: Mapping[str, np.ndarray] | None = None,
         direct: Mapping[str, tuple[int, bytes]] | None = None,
     ) -> None:
-        """Write chunk ``self._rows[group]`` of each array of ``group``, flush, and log it with crc32s."""
+        """Write chunk ``self._rows[group]`` of each array of ``group``, flush, and log it with crc32s.
+
+        Each array's chunk is either stored bytes to copy as they are (``direct``: filter mask
+        and bytes) or samples to encode (``data``); a row may mix both (a repair's copy).
+        """
         index = self._rows[group]
         crcs: dict[str, int] = {}
         for name in self._members[group]:
             dset = self._dsets[name]
             offset = (index * self.chunk_samples,) + (0,) * (dset.ndim - 1)
-            if direct is not None:
+            if direct is not None and name in direct:
                 mask, raw = direct[name]
                 dset.id.write_direct_chunk(offset, raw, mask)
             else:
@@ -353,11 +363,12 @@ class H5Writer(ChunkedWriter):
                 chunk = data[name]
                 self._checked_write(dset, name, index, chunk)
                 raw = dset.id.read_direct_chunk(offset)[1]  # what is stored, from the page cache
-            crcs[name] = zlib.crc32(raw)
+            crcs[name] = crc32(raw)
         # Flush before logging: a logged row is in the file's chunk index on disk.
         self._h5.flush()
         assert self._log_fd is not None
         append_line(self._log_fd, {"g": group, "i": index, "crc": crcs})
+        self._row_log.append((group, index, crcs))
         self._rows[group] = index + 1
         if time.monotonic() - self._last_sync >= SYNC_EVERY_S:
             # Durable against power loss every few seconds; the log is fsynced after the file,
@@ -365,6 +376,34 @@ class H5Writer(ChunkedWriter):
             os.fsync(self._h5.id.get_vfd_handle())
             os.fsync(self._log_fd)
             self._last_sync = time.monotonic()
+
+    def copy_row(
+        self,
+        group: str,
+        stored: Mapping[str, tuple[int, bytes]],
+        samples: Mapping[str, np.ndarray],
+    ) -> dict[str, int]:
+        """Write the next row of ``group`` from stored chunk bytes and/or samples; its crc32s.
+
+        For :mod:`stores.h5_repair`, which rebuilds a file row by row in its recorded order:
+        ``stored`` maps arrays to (filter mask, stored bytes) copied from the old file,
+        ``samples`` the others to their recomputed samples (the row's whole chunk, fewer
+        for the group's last). Not to be mixed with :meth:`write` on one writer.
+        """
+        group = self._known_group(group)
+        index = self._rows[group]
+        count = min(self.chunk_samples, self.num_samples[group] - index * self.chunk_samples)
+        names = self._members[group]
+        if count <= 0 or sorted({*stored, *samples}) != names or set(stored) & set(samples):
+            raise EntryWriteError(
+                f"row {index} of group {group!r} in {self.file}: expected each of {names} once "
+                f"(stored or samples) and at most {-(-self.num_samples[group] // self.chunk_samples)} rows"
+            )
+        values = {name: np.asarray(v, dtype=self.specs[name].dtype) for name, v in samples.items()}
+        self._write_row(group, data=values, direct=stored)
+        for name in names:
+            self._written[name] += count
+        return self._row_log[-1][2]
 
     def _checked_write(self, dset: h5py.Dataset, name: str, index: int, chunk: np.ndarray) -> None:
         lo = index * self.chunk_samples
@@ -405,6 +444,10 @@ class H5Writer(ChunkedWriter):
             self._check_complete()
             for group in self.groups:
                 self._drain(group)
+            chunks = {
+                name: -(-self.num_samples[split_name(name)[0]] // self.chunk_samples) for name in self.specs
+            }
+            write_record(self._h5, self._row_log, chunks, self.groups)
             self._h5.attrs[ATTR_COMPLETE] = True
         finally:
             self._buffers.clear()

@@ -13,7 +13,11 @@ from typing import Literal
 Compressor = Literal["gzip", "lzf", "none"]
 COMPRESSORS = ("gzip", "lzf", "none")
 ENTRY_FILENAME = "entry.h5"
-FORMAT = "ondevice-tl-h5-entry/1"
+# /2 records the crc32 of every stored chunk (stores.h5_chunks); /1 files (written before that)
+# are still read, and verify says they have no per-chunk checksums.
+FORMAT = "ondevice-tl-h5-entry/2"
+FORMAT_V1 = "ondevice-tl-h5-entry/1"
+READABLE_FORMATS = (FORMAT, FORMAT_V1)
 ATTR_FORMAT = "ondevice_tl_format"
 ATTR_JSON = "ondevice_tl_attrs"
 ATTR_COMPLETE = "ondevice_tl_complete"

@@ -2,7 +2,9 @@
 
 Readers open the file lazily, read-only and once per process (h5py handles do not survive
 ``fork``) and pickle as path + layout, so they can be shipped to DataLoader/dask workers.
-This module does not import zarr.
+:meth:`H5Reader.verify` checks every chunk against the crc32 recorded when it was written
+(:mod:`stores.h5_chunks`) and decodes it; files written before that record existed (format
+``/1``) are read as before, and verify can only decode theirs. This module does not import zarr.
 """
 
 from __future__ import annotations
@@ -17,7 +19,17 @@ import h5py
 import numpy as np
 
 from stores.errors import CorruptChunkError, EntryReadError, StoreNotFoundError
-from stores.h5_format import ATTR_COMPLETE, ATTR_FORMAT, ATTR_JSON, DECODE_ERRORS, FORMAT, entry_file
+from stores.h5_chunks import CHECKSUM, ChunkDecoder, ChunkRecord, crc32, is_record, read_record
+from stores.h5_format import (
+    ATTR_COMPLETE,
+    ATTR_FORMAT,
+    ATTR_JSON,
+    DECODE_ERRORS,
+    FORMAT,
+    READABLE_FORMATS,
+    entry_file,
+)
+from stores.integrity import ChunkChecksum, ChunkProblem
 from stores.layout import ArraySpec, ChunkedReader, split_name
 from stores.throttle import ThrottleDevice, ThrottledFile, ThrottleProfile, as_device
 
@@ -59,6 +71,9 @@ class H5Reader(ChunkedReader):
         with self._lock():
             f = self._file()
             self._attrs, shapes = self._read_layout(f)
+            self.record: ChunkRecord | None = read_record(f, self.file)
+        # What verify() checks each chunk against: the recorded crc32s (format /2), or nothing (/1).
+        self.chunk_checksum: ChunkChecksum | None = CHECKSUM if self.record is not None else None
         self._specs: dict[str, ArraySpec] = {}
         self._start_layout(self.file)
         for name, (shape, chunks, dtype) in sorted(shapes.items()):
@@ -133,10 +148,11 @@ class H5Reader(ChunkedReader):
     ) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]]]:
         fmt = f.attrs.get(ATTR_FORMAT)
         fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-        if fmt != FORMAT:
+        if fmt not in READABLE_FORMATS:
             raise EntryReadError(
-                f"{self.file} is not an ondevice-tl HDF5 entry: root attribute {ATTR_FORMAT!r} is "
-                f"{fmt!r}, expected {FORMAT!r}"
+                f"{self.file} is not an ondevice-tl HDF5 entry this version reads: root attribute "
+                f"{ATTR_FORMAT!r} is {fmt!r}, expected one of {list(READABLE_FORMATS)}"
+                + (" (written by a newer version?)" if str(fmt).startswith(FORMAT.rpartition("/")[0]) else "")
             )
         if not bool(f.attrs.get(ATTR_COMPLETE, False)):
             raise EntryReadError(
@@ -152,7 +168,7 @@ class H5Reader(ChunkedReader):
         shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, str]] = {}
 
         def visit(name: str, node: Any) -> None:
-            if isinstance(node, h5py.Dataset):
+            if isinstance(node, h5py.Dataset) and not is_record(name):  # the checksums are not an array
                 shapes[name] = (tuple(node.shape), node.chunks, str(node.dtype))
 
         f.visititems(visit)
@@ -219,3 +235,66 @@ class H5Reader(ChunkedReader):
                 index,
                 f"fletcher32 checksum mismatch or undecodable data ({type(exc).__name__}: {exc})",
             ) from exc
+
+    # --------------------------------------------------------------------------------- verify
+
+    def stored_chunk(self, name: str, index: int) -> tuple[int, bytes, int, int] | None:
+        """Chunk ``index`` of array ``name`` as stored: (filter mask, bytes, byte offset, size), or None
+        when the file has no such chunk. Raises what h5py raises for an unreadable one."""
+        dset = self._dataset(name)
+        coord = (index * self._chunk[split_name(name)[0]],) + (0,) * (dset.ndim - 1)
+        info = dset.id.get_chunk_info_by_coord(coord)
+        if info.byte_offset is None:
+            return None
+        mask, raw = dset.id.read_direct_chunk(coord)
+        return int(mask), bytes(raw), int(info.byte_offset), int(info.size)
+
+    def verify(self) -> list[ChunkProblem]:
+        """Check every chunk of every array against its recorded crc32 and decode it; the bad ones.
+
+        Each chunk's stored bytes are read once (through the slow-storage simulator when the
+        reader has one) and decoded from memory (:class:`~stores.h5_chunks.ChunkDecoder`:
+        HDF5's own filters, fletcher32 included). A problem names the file and the bytes the
+        chunk occupies in it. Without a record (format /1) chunks are only decoded.
+        """
+        problems: list[ChunkProblem] = []
+        crcs = self.record.crc32 if self.record is not None else {}
+        for name in sorted(self._specs):
+            group = split_name(name)[0]
+            n, c = self._count[group], self._chunk[group]
+            decode = ChunkDecoder(self._dataset(name))
+            try:
+                for index in range(-(-n // c)):
+                    count = min(c, n - index * c)
+                    reason, where = self._check_chunk(name, index, count, crcs.get(name), decode)
+                    if reason is not None:
+                        problems.append(ChunkProblem(name, index, reason, file=self.file, where=where))
+            finally:
+                decode.close()
+        return problems
+
+    def _check_chunk(
+        self, name: str, index: int, count: int, recorded: np.ndarray | None, decode: ChunkDecoder
+    ) -> tuple[str | None, str | None]:
+        """(why chunk ``index`` of ``name`` is bad, or None; where it is in the file)."""
+        try:
+            stored = self.stored_chunk(name, index)
+        except DECODE_ERRORS as exc:
+            return f"its stored bytes cannot be read ({type(exc).__name__}: {exc})", None
+        if stored is None:
+            return "the chunk is missing (never written; HDF5 would return zeros)", None
+        mask, raw, offset, size = stored
+        where = f"bytes {offset}..{offset + size - 1}"
+        if recorded is not None:
+            if index >= len(recorded):
+                return f"no crc32 is recorded for it (the record holds {len(recorded)} chunks)", where
+            if crc32(raw) != int(recorded[index]):
+                return (
+                    f"its stored bytes have crc32 {crc32(raw):08x}, the crc32 recorded when it was written "
+                    f"is {int(recorded[index]):08x}"
+                ), where
+        try:
+            decode(raw, mask, count)
+        except DECODE_ERRORS as exc:
+            return f"fletcher32 checksum mismatch or undecodable data ({type(exc).__name__}: {exc})", where
+        return None, where

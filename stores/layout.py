@@ -102,6 +102,42 @@ def sample_counts(num_samples: int | Mapping[str, int], groups: list[str], path:
     return {g: int(n) for g, n in counts.items()}
 
 
+def check_chunk_samples(
+    where: Path,
+    array: str,
+    index: object,
+    data: object,
+    num_samples: int,
+    chunk_samples: int,
+    sample_shape: tuple[int, ...],
+    dtype: object,
+) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` that chunk ``index`` of ``array`` holds, after checking that ``data`` is
+    exactly those samples (shape, and a dtype that casts safely); else :class:`EntryWriteError`.
+
+    What a repair's recomputed chunk must pass before anything is written (both backends).
+    """
+    total = -(-num_samples // chunk_samples)
+    if isinstance(index, bool) or not isinstance(index, int | np.integer) or not 0 <= index < total:
+        raise EntryWriteError(
+            f"chunk index {index!r} out of range for array {array!r} ({total} chunks) in {where}"
+        )
+    lo, hi = int(index) * chunk_samples, min((int(index) + 1) * chunk_samples, num_samples)
+    values = np.asarray(data)
+    want = (hi - lo, *sample_shape)
+    if values.shape != want:
+        raise EntryWriteError(
+            f"chunk {index} of array {array!r} in {where}: expected shape {want} "
+            f"(samples {lo}..{hi - 1}), got {values.shape}"
+        )
+    target = np.dtype(dtype)  # type: ignore[call-overload]  # a numpy dtype or its name
+    if values.dtype != target and not np.can_cast(values.dtype, target, casting="safe"):
+        raise EntryWriteError(
+            f"chunk {index} of array {array!r} in {where}: expected dtype {target}, got {values.dtype}"
+        )
+    return lo, hi
+
+
 class ChunkedReader:
     """Base of :class:`~stores.zarr_entry.ZarrReader` and :class:`~stores.h5_entry.H5Reader`.
 

@@ -51,7 +51,8 @@ import zarr
 from stores.chunking import ChunkedWriter
 from stores.durable import FULL_DISK_ERRNOS, TEMP_MARKER, free_bytes, fsync_dir
 from stores.errors import EntryWriteError, StaleStagingWarning, StoreFullError
-from stores.layout import ArraySpec, did_you_mean, split_name
+from stores.integrity import Rewrite
+from stores.layout import ArraySpec, check_chunk_samples, did_you_mean, split_name
 from stores.zarr_format import (
     LEVELS,
     META,
@@ -76,6 +77,7 @@ __all__ = [
     "DurableLocalStore",
     "RawChunk",
     "ZarrReader",
+    "ZarrChunkRewriter",
     "ZarrWriter",
     "suggest_chunk_samples",
 ]
@@ -333,55 +335,10 @@ class ZarrWriter(ChunkedWriter):
         renamed over the old one, so a reader sees the old or the new chunk, never a mix,
         and a crash mid-repair leaves every chunk whole. Returns the rewritten indices.
         Remember the entry's manifest records file sizes: call ``Catalog.reseal`` after a
-        repair whose data is not bit-identical to the original.
+        repair whose data is not bit-identical to the original. :class:`ZarrChunkRewriter`
+        is the same for several arrays at once, through the entry contract.
         """
-        path = Path(path)
-        try:
-            root = zarr.open_group(store=DurableLocalStore(path), mode="r+", zarr_format=3)
-        except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-            raise EntryWriteError(f"{path} is not a writable zarr v3 group: {exc}") from None
-        members = array_members(root)
-        names = sorted(members)
-        if array not in names:
-            raise EntryWriteError(
-                f"no array {array!r} in zarr entry {path}; arrays: {names}" + did_you_mean(array, names)
-            )
-        arr = members[array].with_config({"write_empty_chunks": True})
-        n, c = int(arr.shape[0]), int(arr.chunks[0])
-        total = -(-n // c)
-        prepared: list[tuple[int, np.ndarray]] = []
-        for index, data in sorted(chunks.items()):
-            if not isinstance(index, int | np.integer) or not 0 <= index < total:
-                raise EntryWriteError(
-                    f"chunk index {index!r} out of range for array {array!r} ({total} chunks) in {path}"
-                )
-            lo, hi = int(index) * c, min((int(index) + 1) * c, n)
-            values = np.asarray(data)
-            if values.shape != (hi - lo, *arr.shape[1:]):
-                raise EntryWriteError(
-                    f"chunk {index} of array {array!r} in {path}: expected shape {(hi - lo, *arr.shape[1:])} "
-                    f"(samples {lo}..{hi - 1}), got {values.shape}"
-                )
-            if values.dtype != arr.dtype and not np.can_cast(values.dtype, arr.dtype, casting="safe"):
-                raise EntryWriteError(
-                    f"chunk {index} of array {array!r} in {path}: expected dtype {arr.dtype}, "
-                    f"got {values.dtype}"
-                )
-            prepared.append((int(index), values))
-        done: list[int] = []
-        for index, values in prepared:  # validated all first: no half-applied repair on a typo
-            lo = index * c
-            try:
-                arr[lo : lo + len(values)] = values
-            except OSError as exc:
-                if exc.errno in FULL_DISK_ERRNOS:
-                    raise StoreFullError(
-                        None, str(path / array), free_bytes(path), f"rewriting chunk {index}"
-                    ) from exc
-                raise
-            fsync_dir((path / array / chunk_key(arr, index)).parent)
-            done.append(index)
-        return done
+        return ZarrChunkRewriter(path).rewrite_chunks({array: chunks}).rewritten[array]
 
     def close(self) -> None:
         """Finish writing: raise if any array's sample count is off (its chunks, the short last ones
@@ -400,3 +357,56 @@ class ZarrWriter(ChunkedWriter):
         self._closed = True  # the catalog's staging cleanup removes the files
         self._stop_pool()
         self._buffers.clear()
+
+
+class ZarrChunkRewriter:
+    """The zarr :class:`~stores.entry.ChunkRewriter`: each chunk file replaced on its own, atomically.
+
+    A chunk is one file here, so replacing it is one durable write (temp file, fsync,
+    rename over the old one, then the directory fsynced): a reader sees the old or the new
+    chunk, never a mix, and a crash leaves every chunk whole. ``identical`` is always None:
+    a zarr chunk's checksum is inside the chunk file, so a damaged chunk keeps no record of
+    the bytes it held.
+    """
+
+    KIND = "zarr"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def rewrite_chunks(self, chunks: Mapping[str, Mapping[int, np.ndarray]]) -> Rewrite:
+        path = self.path
+        try:
+            root = zarr.open_group(store=DurableLocalStore(path), mode="r+", zarr_format=3)
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+            raise EntryWriteError(f"{path} is not a writable zarr v3 group: {exc}") from None
+        members = array_members(root)
+        names = sorted(members)
+        prepared: list[tuple[str, Any, int, np.ndarray]] = []
+        for array, by_index in sorted(chunks.items()):
+            if array not in names:
+                raise EntryWriteError(
+                    f"no array {array!r} in zarr entry {path}; arrays: {names}" + did_you_mean(array, names)
+                )
+            arr = members[array].with_config({"write_empty_chunks": True})
+            n, c = int(arr.shape[0]), int(arr.chunks[0])
+            for index, data in sorted(by_index.items()):
+                lo, hi = check_chunk_samples(path, array, index, data, n, c, arr.shape[1:], arr.dtype)
+                prepared.append((array, arr, lo, np.asarray(data)))
+        rewritten: dict[str, list[int]] = {}
+        files: list[Path] = []
+        for array, arr, lo, values in prepared:  # validated all first: no half-applied repair on a typo
+            index = lo // int(arr.chunks[0])
+            try:
+                arr[lo : lo + len(values)] = values
+            except OSError as exc:
+                if exc.errno in FULL_DISK_ERRNOS:
+                    raise StoreFullError(
+                        None, str(path / array), free_bytes(path), f"rewriting chunk {index}"
+                    ) from exc
+                raise
+            file = path / array / chunk_key(arr, index)
+            fsync_dir(file.parent)
+            rewritten.setdefault(array, []).append(index)
+            files.append(file)
+        return Rewrite(rewritten, tuple(files), None)

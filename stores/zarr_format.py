@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from zarr.storage import LocalStore as ZarrLocalStore
 from zarr.storage import MemoryStore
 
 from stores.durable import atomic_write_bytes
+from stores.integrity import ChunkProblem as ChunkProblem  # shared with HDF5; importable here as before
 from stores.layout import ArraySpec, split_name
 
 Compressor = Literal["zstd", "blosc", "none"]
@@ -95,18 +95,6 @@ class DurableLocalStore(ZarrLocalStore):
             await asyncio.to_thread(durable_put, self.root / key, value.as_buffer_like(), True)
         except FileExistsError:
             pass
-
-
-@dataclass(frozen=True)
-class ChunkProblem:
-    """One bad chunk found by :meth:`ZarrReader.verify`: array (full name), chunk index, why."""
-
-    array: str
-    chunk: int
-    reason: str
-
-    def describe(self) -> str:
-        return f"chunk {self.chunk} of array {self.array!r}: {self.reason}"
 
 
 def chunk_key(arr: Any, index: int) -> str:

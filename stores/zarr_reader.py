@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
+from zarr.codecs import Crc32cCodec
 
 from stores import zarr_fast
 from stores.errors import CorruptChunkError, EntryReadError, StoreNotFoundError
+from stores.integrity import ChunkChecksum, ChunkProblem
 from stores.layout import ArraySpec, ChunkedReader, split_name
 from stores.throttle import ThrottleDevice, ThrottleProfile, as_device
-from stores.zarr_format import DECODE_ERRORS, META, ChunkProblem, array_members, chunk_key
+from stores.zarr_format import DECODE_ERRORS, META, array_members, chunk_key
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,13 @@ class ZarrReader(ChunkedReader):
         self._start_layout(self.path)
         for name, arr in sorted(self._arrays.items()):
             self._add_array(name, arr.shape, arr.chunks)
+        # Every entry this package writes has the crc32c codec (ZarrWriter's checksum=True); one
+        # written without it can only be decoded by verify, and says so.
+        self.chunk_checksum: ChunkChecksum | None = (
+            "crc32c"
+            if all(any(isinstance(c, Crc32cCodec) for c in a.metadata.codecs) for a in self._arrays.values())
+            else None
+        )
 
     @property
     def arrays(self) -> dict[str, ArraySpec]:
@@ -189,7 +198,8 @@ class ZarrReader(ChunkedReader):
     def verify(self) -> list[ChunkProblem]:
         """Read and decode every chunk of every array (crc32c checked); the ones that fail, in order.
 
-        Reads the whole entry once, chunk by chunk (memory stays at one chunk).
+        Reads the whole entry once, chunk by chunk (memory stays at one chunk), through the
+        slow-storage simulator when the reader has one. Each problem names the chunk's file.
         """
         problems: list[ChunkProblem] = []
         for name in sorted(self._arrays):
@@ -199,5 +209,6 @@ class ZarrReader(ChunkedReader):
                 try:
                     self._read_in_chunk(name, index, index * c, min((index + 1) * c, n))
                 except CorruptChunkError as exc:
-                    problems.append(ChunkProblem(name, index, exc.reason))
+                    file = self.path / name / chunk_key(self._arrays[name], index)
+                    problems.append(ChunkProblem(name, index, exc.reason, file=file))
         return problems

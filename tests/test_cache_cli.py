@@ -67,6 +67,52 @@ def test_verify_names_the_chunk_and_repair_restores_the_content(
     assert catalog.content_hash(fp) == before  # recomputed bit for bit
 
 
+def test_verify_names_a_flipped_byte_in_an_hdf5_chunk_and_repair_rewrites_only_that_chunk(
+    built: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import h5py
+
+    store = tmp_path / "h5store"
+    store.mkdir()
+    path = _with_cache(built["recipe"], tmp_path, "h5cli", format="hdf5")
+    assert main(["run", str(path), "--store", str(store), "--output", str(tmp_path / "run"), "--quiet"]) == 0
+    catalog = Catalog(store)
+    entry = next(e for e in catalog.entries() if (e.path / "entry.h5").is_file())
+    short, before = entry.fingerprint[:12], catalog.content_hash(entry.fingerprint)
+    capsys.readouterr()
+    file = entry.path / "entry.h5"
+    with h5py.File(file, "r") as f:
+        dset = f["train/x"]
+        info = dset.id.get_chunk_info_by_coord((dset.chunks[0],) + (0,) * (dset.ndim - 1))  # chunk 1
+    data = bytearray(file.read_bytes())
+    data[info.byte_offset + info.size // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+    assert main(["cache", "verify", "--store", str(store)]) == 1
+    out = capsys.readouterr().out
+    # the entry, the file and the bytes the chunk occupies, the array and chunk, and the command that fixes it
+    assert f"entry {short}" in out and "chunk 1 of array 'train/x' in HDF5 file entry.h5" in out, out
+    assert f"bytes {info.byte_offset}..{info.byte_offset + info.size - 1}" in out, out
+    assert f"fix: python -m pipeline cache repair {short}" in out and "1 damaged" in out, out
+    assert main(["cache", "verify", short, "--store", str(store), "--json"]) == 1
+    (row,) = json.loads(capsys.readouterr().out)
+    (problem,) = row["problems"]
+    assert (problem["kind"], problem["file"], problem["array"], problem["chunk"]) == (
+        "corrupt_chunk", "entry.h5", "train/x", 1
+    )
+    assert row["fix"] == f"python -m pipeline cache repair {short}"
+
+    assert main(["cache", "repair", short, "--store", str(store)]) == 0
+    captured = capsys.readouterr()
+    assert "rewrote 1 chunks in 1 arrays" in captured.out and "no problems" in captured.out, captured.out
+    assert "recomputed chunk 1 of train/x" in captured.err, captured.err  # only that chunk was recomputed
+    assert main(["cache", "verify", short, "--store", str(store)]) == 0
+    assert catalog.content_hash(entry.fingerprint) == before  # the file is again byte for byte as built
+    assert sorted(p.name for p in entry.path.iterdir() if not p.name.startswith(".")) == [
+        "entry.h5", "manifest.json"
+    ]
+
+
 def test_corrupt_chunk_met_while_training_is_named(
     built: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -18,7 +18,16 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from stores.entry import EntryLayout, EntryReader, EntryWriter, Format, open_reader, open_writer
+from stores.entry import (
+    EntryLayout,
+    EntryReader,
+    EntryWriter,
+    Format,
+    find_containers,
+    open_reader,
+    open_rewriter,
+    open_writer,
+)
 from stores.errors import CorruptChunkError, EntryReadError, EntryWriteError
 from stores.layout import ArraySpec, split_name
 from tests.stores import entry_checks
@@ -61,6 +70,9 @@ class EntryBackendTests:
     fmt: ClassVar[Format]
     compressor: ClassVar[str]
     throttle: ClassVar[str | None] = None
+    # What a backend's Rewrite.identical says after recomputing bit-identical chunks (True: it
+    # compared them with the checksums recorded at build time; None: it has no such record).
+    repair_knows_identity: ClassVar[bool | None] = None
 
     # ------------------------------------------------------------------ backend hooks
     def flip_bit(self, entry_dir: Path, array: str, index: int) -> None:
@@ -110,6 +122,20 @@ class EntryBackendTests:
 
     def reader(self, entry_dir: Path) -> EntryReader:
         return open_reader(entry_dir, throttle=self.throttle)
+
+    def container(self, entry_dir: Path) -> Path:
+        """The entry's one container (data.zarr or entry.h5), found as verify finds it."""
+        (found,) = find_containers(entry_dir)
+        assert found.fmt == self.fmt
+        return entry_dir / found.rel
+
+    def verified(self, entry_dir: Path) -> list[tuple[str, int]]:
+        """(array, chunk) of every chunk the entry's reader finds bad, through the simulator if any."""
+        reader = self.reader(entry_dir)
+        try:
+            return [(p.array, p.chunk) for p in reader.verify()]
+        finally:
+            reader.close()
 
     def write(self, entry_dir: Path, layout: EntryLayout, data: dict[str, np.ndarray], batch: int) -> None:
         with self.writer(entry_dir, layout) as writer:
@@ -286,3 +312,91 @@ class EntryBackendTests:
             lambda arrays, n, chunk: self.make_writer(tmp_path, arrays, n, chunk, compressor="none")
         )
         assert self.reader(tmp_path).num_chunks() == chunks
+
+    # ------------------------------------------------------------------ verify and repair
+    def test_verify_reads_every_chunk_and_finds_nothing_in_an_intact_entry(self, tmp_path: Path) -> None:
+        entry_dir, _layout, _data = self.small(tmp_path)
+        before = tree_digest(entry_dir)
+        reader = self.reader(entry_dir)
+        assert reader.chunk_checksum is not None  # every chunk written now has a checksum to check
+        assert reader.verify() == []
+        if reader.device is not None:  # through the simulator: verify read the chunks from "the card"
+            assert reader.device.stats().bytes_read > 0
+        reader.close()
+        assert tree_digest(entry_dir) == before
+
+    def test_a_flipped_byte_is_named_by_verify_and_repair_restores_the_bytes(self, tmp_path: Path) -> None:
+        entry_dir, _layout, data = self.small(tmp_path)
+        built = tree_digest(entry_dir)
+        self.flip_bit(entry_dir, "train/codes", 2)
+        reader = self.reader(entry_dir)
+        (problem,) = reader.verify()
+        reader.close()
+        assert (problem.array, problem.chunk) == ("train/codes", 2)
+        assert problem.file is not None and problem.file.is_file()  # the file holding the chunk is named
+        assert problem.file.is_relative_to(self.container(entry_dir))
+        assert problem.describe().startswith("chunk 2 of array 'train/codes'")
+
+        result = open_rewriter(self.container(entry_dir)).rewrite_chunks(
+            {"train/codes": {2: data["train/codes"][8:12]}}
+        )
+        assert result.rewritten == {"train/codes": [2]}  # only the damaged chunk was recomputed
+        assert result.identical is self.repair_knows_identity
+        assert self.verified(entry_dir) == []
+        assert tree_digest(entry_dir) == built  # byte-identical to the entry as built
+        reader = self.reader(entry_dir)
+        for name, values in data.items():
+            np.testing.assert_array_equal(reader.read("train", name.split("/")[1]), values)
+        reader.close()
+
+    def test_a_lost_chunk_is_named_by_verify_and_repaired(self, tmp_path: Path) -> None:
+        entry_dir, _layout, data = self.small(tmp_path)
+        built = tree_digest(entry_dir)
+        self.lose_chunk(entry_dir, "train/labels", 5)  # the short last chunk (samples 20..22)
+        assert self.verified(entry_dir) == [("train/labels", 5)]
+        rewriter = open_rewriter(self.container(entry_dir))
+        rewriter.rewrite_chunks({"train/labels": {5: data["train/labels"][20:]}})
+        assert self.verified(entry_dir) == []
+        assert tree_digest(entry_dir) == built
+
+    def test_damage_in_several_arrays_is_all_named_and_repaired_at_once(self, tmp_path: Path) -> None:
+        entry_dir, _layout, data = self.small(tmp_path)
+        built = tree_digest(entry_dir)
+        for array, index in (("train/codes", 0), ("train/labels", 0), ("train/codes", 4)):
+            self.flip_bit(entry_dir, array, index)
+        assert self.verified(entry_dir) == [("train/codes", 0), ("train/codes", 4), ("train/labels", 0)]
+        codes, labels = data["train/codes"], data["train/labels"]
+        result = open_rewriter(self.container(entry_dir)).rewrite_chunks(
+            {"train/codes": {0: codes[0:4], 4: codes[16:20]}, "train/labels": {0: labels[0:4]}}
+        )
+        assert result.rewritten == {"train/codes": [0, 4], "train/labels": [0]}
+        assert self.verified(entry_dir) == [] and tree_digest(entry_dir) == built
+
+    def test_a_repair_never_hides_damage_it_was_not_given(self, tmp_path: Path) -> None:
+        entry_dir, _layout, data = self.small(tmp_path)
+        self.flip_bit(entry_dir, "train/codes", 1)
+        self.flip_bit(entry_dir, "train/codes", 3)
+        rewriter = open_rewriter(self.container(entry_dir))
+        try:
+            rewriter.rewrite_chunks({"train/codes": {1: data["train/codes"][4:8]}})
+        except EntryWriteError as exc:  # a backend that copies chunks refuses to copy a damaged one
+            assert "chunk 3 of array 'train/codes'" in str(exc) and "damaged" in str(exc)
+            assert self.verified(entry_dir) == [("train/codes", 1), ("train/codes", 3)]
+        else:
+            assert self.verified(entry_dir) == [("train/codes", 3)]
+
+    def test_a_bad_recomputed_chunk_is_refused_before_anything_is_written(self, tmp_path: Path) -> None:
+        entry_dir, _layout, data = self.small(tmp_path)
+        self.flip_bit(entry_dir, "train/codes", 2)
+        damaged = tree_digest(entry_dir)
+        rewriter = open_rewriter(self.container(entry_dir))
+        good = data["train/codes"][8:12]
+        with pytest.raises(EntryWriteError, match="no array 'train/code'.*did you mean 'train/codes'"):
+            rewriter.rewrite_chunks({"train/codes": {2: good}, "train/code": {2: good}})
+        with pytest.raises(EntryWriteError, match="chunk index 6 out of range.*6 chunks"):
+            rewriter.rewrite_chunks({"train/codes": {2: good, 6: good}})
+        with pytest.raises(EntryWriteError, match=r"chunk 5 .*expected shape \(3, 2, 3\).*samples 20..22"):
+            rewriter.rewrite_chunks({"train/codes": {2: good, 5: good}})
+        with pytest.raises(EntryWriteError, match="expected dtype uint8, got float64"):
+            rewriter.rewrite_chunks({"train/codes": {2: good.astype(np.float64)}})
+        assert tree_digest(entry_dir) == damaged  # chunk 2 was not rewritten by any of the failed calls

@@ -48,7 +48,7 @@ def test_clean_entry_verifies(tmp_path: Path) -> None:
     build(catalog, "a")
     report = catalog.verify(fp("a"))
     assert report.ok and report.problems == ()
-    assert report.chunks_checked == 2 * 6 and report.hierarchies == ("",)
+    assert report.chunks_checked == 2 * 6 and report.containers == ("",)
     assert report.files_checked == len(catalog.lookup(fp("a")).files)  # type: ignore[union-attr]
     assert "no problems" in report.describe()
 
@@ -61,7 +61,7 @@ def test_flipped_byte_is_found_reported_and_repaired(tmp_path: Path) -> None:
     report = catalog.verify(fp("a"))
     assert not report.ok and len(report.problems) == 1
     problem = report.problems[0]
-    assert (problem.kind, problem.array, problem.chunk, problem.hierarchy) == (
+    assert (problem.kind, problem.array, problem.chunk, problem.container) == (
         "corrupt_chunk",
         "train/codes",
         3,
