@@ -21,11 +21,17 @@ from stores.catalog import (
 )
 from stores.durable import atomic_write_bytes, fsync_dir
 from stores.entry import (
+    ChunkProblem,
+    ChunkRewriter,
     EntryLayout,
     EntryReader,
     EntryWriter,
+    Rewrite,
     entry_format,
+    find_containers,
+    open_container,
     open_reader,
+    open_rewriter,
     open_writer,
     plan_chunk_samples,
 )
@@ -50,9 +56,7 @@ from stores.layout import ArraySpec
 from stores.lock import DirLock, FileLock, LockHolder
 from stores.verify import Problem, VerifyReport
 
-_ZARR_ENTRY_NAMES = frozenset(
-    {"ChunkProblem", "DurableLocalStore", "ZarrReader", "ZarrWriter", "suggest_chunk_samples"}
-)
+_ZARR_ENTRY_NAMES = frozenset({"DurableLocalStore", "ZarrReader", "ZarrWriter", "suggest_chunk_samples"})
 
 
 def __getattr__(name: str) -> object:
@@ -70,6 +74,7 @@ __all__ = [
     "Catalog",
     "CatalogError",
     "ChunkProblem",
+    "ChunkRewriter",
     "CorruptChunkError",
     "DirLock",
     "DurableLocalStore",
@@ -89,6 +94,7 @@ __all__ = [
     "LockTimeoutError",
     "Problem",
     "ReadOnlyError",
+    "Rewrite",
     "Staging",
     "StaleStagingWarning",
     "StoreError",
@@ -99,11 +105,14 @@ __all__ = [
     "ZarrWriter",
     "atomic_write_bytes",
     "entry_format",
+    "find_containers",
     "fsync_dir",
     "hash_payload",
     "human_size",
     "is_valid_key",
+    "open_container",
     "open_reader",
+    "open_rewriter",
     "open_writer",
     "plan_chunk_samples",
     "suggest_chunk_samples",

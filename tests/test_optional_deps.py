@@ -26,7 +26,7 @@ ALLOWED_IMPORTERS: dict[str, set[str]] = {
     "dask": {"pipeline/executors/dask_build.py"},
     "distributed": {"pipeline/executors/dask_build.py", "benchmarks/bench_dask_build.py",
                     "pipeline/sweep/execute.py"},
-    "h5py": {"stores/h5_entry.py", "stores/h5_progress.py", "stores/h5_reader.py"},
+    "h5py": {"stores/h5_entry.py", "stores/h5_progress.py", "stores/h5_reader.py", "stores/h5_chunks.py"},
     "psutil": {"benchmarks/_meta.py"},
 }
 

@@ -27,7 +27,7 @@ from stores.catalog import Catalog
 from stores.entry import H5_FILE, REPAIR_SUFFIX, EntryLayout, open_reader, open_rewriter, open_writer
 from stores.errors import EntryReadError
 from stores.h5_chunks import RECORD
-from stores.h5_format import ATTR_FORMAT
+from stores.h5_format import ATTR_FORMAT, FORMAT_V1
 from stores.layout import ArraySpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,9 +127,13 @@ def test_a_newer_format_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_an_entry_written_before_chunk_checksums_is_verified_repaired_and_gains_them(tmp_path: Path) -> None:
-    # The golden HDF5 entries were written by format /1: no per-chunk record.
     entry = tmp_path / "old"
     shutil.copytree(GOLDEN / "hdf5-bits2", entry)
+    with h5py.File(entry / H5_FILE, "r") as f:  # real files of the old format, kept by tests/golden
+        assert f.attrs[ATTR_FORMAT] == FORMAT_V1 and RECORD not in f, (
+            "the golden HDF5 entries were regenerated in the current format: keep a copy of a format /1 "
+            "entry for this test"
+        )
     expected = {p.stem.replace(".", "/"): np.load(p) for p in (GOLDEN / "expected-bits2").glob("*.npy")}
     catalog = Catalog(tmp_path / "store")
     fingerprint = "ab" * 32
