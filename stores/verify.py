@@ -194,12 +194,7 @@ class _ChunkPass:
         try:
             reader = open_container(self.path / rel if rel else self.path)
         except (StoreError, OSError, ValueError) as exc:
-            message = f"{label} cannot be opened: {exc}"
-            if container.fmt == "zarr":
-                meta = f"{rel}/zarr.json" if rel else "zarr.json"
-                self.problems.append(Problem(fp, "unreadable_zarr", meta, message, container=rel))
-            else:
-                self.problems.append(Problem(fp, "unreadable_hdf5", rel, message, container=rel))
+            self._unreadable(container, f"{label} cannot be opened: {exc}")
             return
         try:
             groups = reader.groups
@@ -208,6 +203,9 @@ class _ChunkPass:
             if reader.chunk_checksum is None:
                 self._unchecksummed.add(rel)
                 self.notes.append(self._unchecksummed_note(container, label, checksums))
+        except (StoreError, OSError, ValueError) as exc:  # the structure failed mid-way, not one chunk
+            self._unreadable(container, f"{label} cannot be read through: {exc}")
+            return
         finally:
             reader.close()
         if container.fmt == "hdf5":
@@ -224,6 +222,14 @@ class _ChunkPass:
                     container=rel, array=chunk.array, chunk=chunk.chunk, where=chunk.where,
                 )
             )
+
+    def _unreadable(self, container: Container, message: str) -> None:
+        rel, fp = container.rel, self.fingerprint
+        if container.fmt == "zarr":
+            meta = f"{rel}/zarr.json" if rel else "zarr.json"
+            self.problems.append(Problem(fp, "unreadable_zarr", meta, message, container=rel))
+        else:
+            self.problems.append(Problem(fp, "unreadable_hdf5", rel, message, container=rel))
 
     def _unchecksummed_note(self, container: Container, label: str, checksums: dict[str, str]) -> str:
         if container.fmt == "hdf5":

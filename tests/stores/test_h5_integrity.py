@@ -211,3 +211,19 @@ def test_a_repair_killed_at_any_moment_leaves_the_entry_whole(tmp_path: Path) ->
                 leftover.unlink()
         assert catalog.verify(fingerprint).ok and sha(file) == built
     assert True in outcomes  # at least one kill landed before the rename
+
+
+def test_a_truncated_hdf5_file_is_reported_not_a_crash(tmp_path: Path) -> None:
+    catalog = Catalog(tmp_path / "store")
+    fingerprint = "ef" * 32
+    with catalog.stage(fingerprint, "stream", {"recipe": "cut"}) as staging:
+        build_kill_entry(staging.path)
+        staging.commit()
+    file = catalog.entries_dir / fingerprint / H5_FILE
+    with open(file, "r+b") as fh:
+        fh.truncate(file.stat().st_size // 3)
+    report = catalog.verify(fingerprint)
+    assert sorted(p.kind for p in report.problems) == ["size_mismatch", "unreadable_hdf5"]
+    unreadable = next(p for p in report.problems if p.kind == "unreadable_hdf5")
+    assert unreadable.file == H5_FILE and "HDF5 file entry.h5 cannot be" in unreadable.message
+    assert report.corrupt_chunks() == {}  # nothing a chunk repair could do: the fix is a rebuild
