@@ -22,9 +22,9 @@ import torch
 
 from benchmarks._meta import write_result
 from pipeline.context import RunContext
+from pipeline.ops import padded_forward as forward
 from pipeline.recipe import load_recipe
 from pipeline.runner import Runner
-from pipeline.stages import forward
 from stores.catalog import Catalog
 from stores.manifest import read_entry
 from stores.verify import damaged_files

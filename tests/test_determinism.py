@@ -1,6 +1,6 @@
 """One fingerprint, one content: a cache built from one stored backbone is byte-identical at 1 and 2 threads.
 
-Before the frozen forward padded its batches (``pipeline.stages.forward.padded_forward``), a split's short
+Before the frozen forward padded its batches (``pipeline.ops.padded_forward``), a split's short
 last batch (13 samples of the quickstart's test split) took another oneDNN code path at 2 threads than
 at 1, and the stored float16 maps of those samples differed in their last bits.
 """
@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from pipeline.cli import main
-from pipeline.stages.forward import FORWARD_BLOCK, padded_forward
+from pipeline.ops.padded_forward import FORWARD_BLOCK, padded_forward
 from tests.sweep.recipes import tiny_recipe
 
 

@@ -215,9 +215,10 @@ def _save(ctx: RunContext, call: StageCall, module: nn.Module | Mapping[str, tor
         "network": network,
         "input": pre.to_meta(),
         "class_names": _class_names(call, data_field, int(network["num_classes"])),
+        # No recipe path: the same recipe run from another directory must write the same bytes (the
+        # fingerprint names what produced it; the run's own summary records the path it was given).
         "produced_by": {
             "recipe": ctx.recipe_name,
-            "recipe_file": ctx.recipe_path,
             "stage": call.name,
             "stage_type": lineage.type if lineage is not None else None,
             "fingerprint": call.fingerprint,

@@ -23,7 +23,7 @@ out of GPU memory is a :class:`~pipeline.errors.DeviceMemoryError` naming the st
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -36,6 +36,7 @@ from ..models.arch import ArchConfig, ModelValue, check_cut, structure
 from ..models.fold import fold_batch_norms
 from ..ops.batching import Batch, rechunk
 from ..ops.device_feed import to_device
+from ..ops.padded_forward import padded_forward
 from ..spec import MODEL, STREAM, Cut, FieldSpec, Spec, SplitSpec
 from ..stage import Stage, StageCall
 from ..stream import Stream, StreamStats
@@ -51,12 +52,6 @@ else:
 
 
 AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
-# The frozen forward computes every batch as one of a multiple of this many samples (zero rows added,
-# their outputs dropped). Why: oneDNN picks how it blocks and splits a convolution by batch size, and
-# for a batch that is not a multiple of 16 (an epoch's short last batch) the split depends on the
-# thread count, so the same sample gave other bits at 1 and 2 threads; padded, a sample's output is
-# the same whatever the thread count and whatever batch it came in (tests/test_determinism.py).
-FORWARD_BLOCK = 16
 
 
 class ForwardStream(Stream):
@@ -108,18 +103,6 @@ class ForwardStream(Stream):
 
     def stored_bytes(self) -> int:
         return self.parent.stored_bytes()
-
-
-def padded_forward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                   block: int | None = None) -> torch.Tensor:
-    """``module(x)`` computed on ``x`` padded with zero samples to a multiple of ``block`` (default
-    ``FORWARD_BLOCK``); the padding's outputs are dropped. Only for a module that treats samples
-    independently (eval mode: no batch statistics)."""
-    n = len(x)
-    extra = -n % (FORWARD_BLOCK if block is None else block)
-    if not extra:
-        return module(x)
-    return module(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]))[:n]
 
 
 class FrozenForward(Stage):

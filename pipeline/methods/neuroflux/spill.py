@@ -29,9 +29,9 @@ from ...fingerprint import derived_fingerprint
 from ...lazy import lazy_module
 from ...ops.batching import Batch
 from ...ops.cache import StoredStream, write_stream
+from ...ops.padded_forward import padded_forward
 from ...recipe_model import RecipeModel
 from ...spec import STREAM, FieldSpec, Spec, SplitSpec
-from ...stages.forward import padded_forward
 from ...stream import MapStream, Stream
 
 if TYPE_CHECKING:
