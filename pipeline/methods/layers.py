@@ -65,20 +65,20 @@ class _MaskedActivation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor,
                 fn: Callable[[torch.Tensor], torch.Tensor],
                 mask_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         y = fn(x)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(pack_mask(mask_fn(x)))
-            ctx.shape = x.shape  # type: ignore[attr-defined]
+            ctx.shape = x.shape
         return y
 
     @staticmethod
-    def backward(ctx: Any,  # type: ignore[override]
+    def backward(ctx: Any,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (packed,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = unpack_mask(packed, ctx.shape)  # type: ignore[attr-defined]
+        (packed,) = ctx.saved_tensors
+        mask = unpack_mask(packed, ctx.shape)
         return grad * mask.to(grad.dtype), None, None
 
 
@@ -234,28 +234,28 @@ class _FrozenWeightConv2d(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> torch.Tensor:
         dtype = _autocast_dtype(x)
-        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)  # type: ignore[attr-defined]
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(weight)
-        ctx.conv = (tuple(x.shape), stride, padding, dilation, groups)  # type: ignore[attr-defined]
+        ctx.conv = (tuple(x.shape), stride, padding, dilation, groups)
         with torch.autocast(x.device.type, enabled=False):  # inputs already in the compute dtype
             return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
-    def backward(ctx: Any,  # type: ignore[override]
+    def backward(ctx: Any,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        shape, stride, padding, dilation, groups = ctx.conv  # type: ignore[attr-defined]
-        x_dtype, bias_dtype = ctx.dtypes  # type: ignore[attr-defined]
+        shape, stride, padding, dilation, groups = ctx.conv
+        x_dtype, bias_dtype = ctx.dtypes
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
-            (weight,) = ctx.saved_tensors  # type: ignore[attr-defined]
+            (weight,) = ctx.saved_tensors
             grad_x = conv2d_input(shape, weight, grad.to(weight.dtype), stride, padding, dilation,
                                   groups).to(x_dtype)
         if ctx.needs_input_grad[2]:

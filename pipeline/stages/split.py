@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
+from ..data.dataset import DatasetValue
 from ..data.splits import make_splits
 from ..errors import DataError
 from ..spec import DATASET
 from ..stage import Stage, StageCall
-from .sources import DatasetValue
 
 if TYPE_CHECKING:
     from ..context import RunContext

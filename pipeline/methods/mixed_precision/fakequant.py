@@ -19,7 +19,8 @@ inside the range is off by at most ``s / 2`` (tests check that bound per bit wid
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -81,7 +82,7 @@ def calibrate_input_ranges(model: nn.Module, layers: Iterable[str],
     ranges: dict[str, list[float]] = {}
     handles = []
 
-    def observe(name: str):  # noqa: ANN202 - a hook factory
+    def observe(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0].detach()
             lo, hi = float(x.min()), float(x.max())
@@ -108,6 +109,9 @@ def calibrate_input_ranges(model: nn.Module, layers: Iterable[str],
     return {k: (v[0], v[1]) for k, v in ranges.items()}
 
 
+# a forward pre-hook's replacement inputs, or none
+InputHookResult: TypeAlias = "tuple[torch.Tensor, ...] | None"
+
 class FakeQuantModel:
     """A private copy of a model whose layers can be set to any per-layer bit width, cheaply.
 
@@ -131,7 +135,7 @@ class FakeQuantModel:
         for name, module in self.modules.items():
             module.register_forward_pre_hook(self._input_hook(name))
 
-    def _input_hook(self, name: str):  # noqa: ANN202 - a hook factory
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], InputHookResult]:
         def hook(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
             bits = self.bits[name]
             if bits is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ...errors import StageError
 from .profiler import MemoryFit
@@ -35,7 +36,7 @@ class Block:
     layer_batches: tuple[int, ...]  # step 1's per-layer maxima
     predicted_bytes: int  # the block's memory at its batch size
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

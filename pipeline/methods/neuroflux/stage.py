@@ -170,7 +170,8 @@ class _BudgetedTraining(Stage):
         return Spec(RESULT, inputs["input"].num_classes, meta={"arch": self.arch})
 
     # ------------------------------------------------------------------ data
-    def _train_batches(self, stream: Stream, batch_size: int) -> Callable[[int], Iterator]:
+    def _train_batches(self, stream: Stream,
+                       batch_size: int) -> Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]:
         def batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             opened = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
             # Re-chunk (and dequantize, for spills) on the prefetch thread, off the training loop.
