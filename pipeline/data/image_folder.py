@@ -25,8 +25,8 @@ import numpy as np
 
 from ..errors import DataError, MissingPathError
 from ..lazy import lazy_module
-from .identity import files_identity, hash_json
-from .sampleset import Images, Raw, SampleSet, as_batch
+from .identity import file_identity, hash_json
+from .sampleset import Images, Raw, SampleSet, as_batch, content_key, keys_array
 
 if TYPE_CHECKING:
     import simplejpeg
@@ -152,8 +152,15 @@ class FileSampleSet(SampleSet):
         if len(paths) != len(self.labels):
             raise DataError(f"{name}: {len(paths)} files but {len(self.labels)} labels")
         self.paths = list(paths)
+        self._file_ids: list[str] | None = None
 
     decodes = True
+
+    def file_identities(self) -> list[str]:
+        """Each file's content identity (read once: the set's identity and the samples' keys share it)."""
+        if self._file_ids is None:
+            self._file_ids = [file_identity(p) for p in self.paths]
+        return self._file_ids
 
     def _read(self, idx: np.ndarray) -> Raw:
         return [(self.paths[i], read_bytes(self.paths[i])) for i in idx]
@@ -163,7 +170,11 @@ class FileSampleSet(SampleSet):
         return as_batch([decode_image(path, data) for path, data in raw])
 
     def _content_identity(self) -> str:
-        return hash_json({"format": "image-files", "files": files_identity(self.paths)})
+        # as files_identity(self.paths) computes it, from the identities read once
+        return hash_json({"format": "image-files", "files": hash_json(self.file_identities())})
+
+    def _sample_keys(self) -> np.ndarray:
+        return keys_array([content_key(i.encode()) for i in self.file_identities()])
 
 
 def _visible_dirs(folder: Path) -> list[Path]:

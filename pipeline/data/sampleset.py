@@ -13,10 +13,15 @@ requested samples share a shape (the fast, batched path), else a list of arrays.
 Identity is content: it combines the identity of the pixels (in order) with the
 labels and class names, so a relabelled subset or a different few-shot draw has a
 different identity while a moved copy of the same files has the same one.
+
+Each sample also has a content key of its own (:meth:`SampleSet.sample_keys`): a digest of that
+sample's bytes alone, whatever else the set holds, so that what is decided per sample (its split)
+does not change when other samples come or go.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -31,6 +36,19 @@ from .identity import hash_array, hash_json
 # What ``read`` returns: encoded bytes per sample, indices to generate, or the stored pixels.
 Raw = Sequence[Any] | np.ndarray
 Images = np.ndarray | list[np.ndarray]
+#: A sample's content key: 16 bytes of a digest of its content (numpy dtype ``S16``).
+KEY_DTYPE = np.dtype("S16")
+
+
+def content_key(data: bytes) -> bytes:
+    """The 16-byte content key of one sample's bytes."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def keys_array(keys: Sequence[bytes]) -> np.ndarray:
+    out = np.array(list(keys), dtype=KEY_DTYPE) if len(keys) else np.zeros(0, KEY_DTYPE)
+    out.setflags(write=False)
+    return out
 
 
 def as_hwc(image: np.ndarray, where: str) -> np.ndarray:
@@ -103,6 +121,7 @@ class SampleSet(ABC):
         labels.setflags(write=False)
         self._labels = labels
         self._identity: str | None = None
+        self._keys: np.ndarray | None = None
 
     @property
     def labels(self) -> np.ndarray:
@@ -143,6 +162,21 @@ class SampleSet(ABC):
             self._identity = hash_json({"content": self._content_identity(),
                                         "labels": hash_array(self._labels), "class_names": self.class_names})
         return self._identity
+
+    def sample_keys(self) -> np.ndarray:
+        """Each sample's content key (``KEY_DTYPE``), in order: a digest of that sample's own bytes (its
+        file's, or its pixels'), never of its position, its label or the other samples. Equal content
+        gives equal keys (duplicates share one)."""
+        if self._keys is None:
+            keys = self._sample_keys()
+            if len(keys) != len(self):
+                raise DataError(f"{self.name}: {len(keys)} content keys for {len(self)} samples")
+            self._keys = keys
+        return self._keys
+
+    @abstractmethod
+    def _sample_keys(self) -> np.ndarray:
+        """Content keys of all samples, in order (see :meth:`sample_keys`)."""
 
     def subset(self, indices: np.ndarray | Sequence[int], *, labels: np.ndarray | Sequence[int] | None = None,
                class_names: Sequence[str] | None = None, name: str | None = None) -> SampleSet:
@@ -212,6 +246,11 @@ class ArraySampleSet(SampleSet):
             self._content_id = hash_array(self.array())
         return self._content_id
 
+    def _sample_keys(self) -> np.ndarray:
+        images = self.array()
+        shape = f"{images.shape[1:]}".encode()
+        return keys_array([content_key(shape + image.tobytes()) for image in images])
+
 
 class GeneratedSampleSet(SampleSet):
     """Samples computed on demand by ``generate(index)``; identity is whatever defines the generator.
@@ -236,6 +275,10 @@ class GeneratedSampleSet(SampleSet):
 
     def _content_identity(self) -> str:
         return self._content_id
+
+    def _sample_keys(self) -> np.ndarray:
+        # A generated image is a function of the generator and its index: key both, not the pixels.
+        return keys_array([content_key(f"{self._content_id}/{i}".encode()) for i in range(len(self))])
 
 
 class SubsetSampleSet(SampleSet):
@@ -267,3 +310,8 @@ class SubsetSampleSet(SampleSet):
 
     def _content_identity(self) -> str:
         return hash_json({"parent": self.parent._content_identity(), "indices": hash_array(self.indices)})
+
+    def _sample_keys(self) -> np.ndarray:
+        keys = self.parent.sample_keys()[self.indices]
+        keys.setflags(write=False)
+        return keys
