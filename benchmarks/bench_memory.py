@@ -9,8 +9,11 @@ papers' convention and the bytes PyTorch really saves for backward) and timed on
    metered as it sits inside a network: a gradient flows out of its input. Paper: MobileTL stores
    46.3% (V2) and 53.3% (V3) less at expansion 6 (its Figure 1). Analytic bytes in both conventions
    of the meter (``mask``: ReLU6 as a 1-bit mask, the default; ``map``: as a 32-bit map, as PyTorch
-   saves it); the paper's Table 1 (the three blocks at expansion 1) was not found, so no absolute
-   paper numbers are compared.
+   saves it). ``--block paper`` builds the IRBs as the paper describes them (an expanding 1x1 conv
+   at expansion 1 too, where torchvision leaves it out; ``pipeline.models.paper_blocks``), meters
+   only this table, compares it with the paper's Table 1 (the three blocks at expansion 1; its
+   numbers are not in the repository: give them with ``--paper-table1``) and Figure 1, and writes
+   ``memory_paper_blocks.json``.
 2. ``imagenet``: MobileNetV2 (width 1.0) at 224x224, batch 8, the whole network trainable: FT-Full,
    FT-Norm+Last, FT-Last, TinyTL-B, TinyTL-L, TinyTL-L+B, MobileTL (TinyTL paper: up to 6.5x less
    training memory than FT-Full; lite residuals a few percent).
@@ -22,12 +25,14 @@ steps, on random data, ``torch.set_num_threads(--threads)``. The CPU is shared w
 the fastest step is the one they disturbed least; times are indicative, memory numbers are exact.
 
 Usage: python -m benchmarks.bench_memory [--steps 5] [--threads 1] [--skip-imagenet] [--output-dir DIR]
+       python -m benchmarks.bench_memory --block paper [--paper-table1 conv=SIZE v2=SIZE v3=SIZE]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -42,6 +47,7 @@ from benchmarks._meta import write_result
 from pipeline.methods.finetune import Finetune
 from pipeline.methods.mobiletl import mobiletl_block
 from pipeline.models.memory import Footprint, footprint, human_bytes
+from pipeline.models.paper_blocks import BLOCKS, to_paper_block
 from pipeline.models.zoo import build_backbone, feature_shape
 
 PAPER_REDUCTION = {"v2": 0.463, "v3": 0.533}
@@ -89,45 +95,60 @@ def conv_block() -> nn.Module:
     return Conv2dNormActivation(96, 96, kernel_size=5, activation_layer=nn.ReLU6)
 
 
-def v2_block(t: int) -> nn.Module:
+def v2_block(t: int, form: str = "torchvision") -> nn.Module:
     b = mobilenetv2.InvertedResidual(96, 96, 1, t)
     dw = b.conv[-3][0]  # torchvision's V2 uses 3x3; the paper's setting is 5x5
     b.conv[-3][0] = nn.Conv2d(dw.in_channels, dw.out_channels, 5, 1, 2, groups=dw.groups, bias=False)
+    if form == "paper":
+        to_paper_block(b)
     return b
 
 
-def v3_block(t: int) -> nn.Module:
+def v3_block(t: int, form: str = "torchvision") -> nn.Module:
     cnf = mobilenetv3.InvertedResidualConfig(96, 5, 96 * t, 96, True, "HS", 1, 1, 1.0)
-    return mobilenetv3.InvertedResidual(cnf, partial(nn.BatchNorm2d, eps=0.001, momentum=0.01))
+    b = mobilenetv3.InvertedResidual(cnf, partial(nn.BatchNorm2d, eps=0.001, momentum=0.01))
+    if form == "paper":
+        to_paper_block(b)
+    return b
 
 
-def block_table(steps: int) -> list[dict[str, Any]]:
+def block_table(steps: int, form: str = "torchvision") -> list[dict[str, Any]]:
+    """The block setting's rows, the IRBs built in ``form`` (torchvision's or the paper's); the conv
+    block is the same in both. In the paper's form each row also carries the torchvision form's
+    count (``activation_bytes_torchvision``), metered in the same run."""
     shape = (8, 96, 7, 7)
     rows: list[dict[str, Any]] = []
 
-    def add(block: str, t: int | None, method: str, module: nn.Module) -> None:
+    def add(block: str, t: int | None, method: str, module: nn.Module,
+            torchvision_form: nn.Module | None = None) -> None:
         torch.manual_seed(0)
         fp = footprint(module, shape, input_requires_grad=True)
         maps = footprint(module, shape, input_requires_grad=True, measure=False, convention="map")
         if fp.activation_bytes is None or fp.measured_bytes is None:
             raise SystemExit(f"bench_memory: no footprint for the {block} block ({method})")
-        rows.append({"block": block, "expansion": t, "method": method,
-                     "activation_bytes": fp.activation_bytes, "measured_bytes": fp.measured_bytes,
-                     "measured_over_analytic": fp.measured_bytes / fp.activation_bytes,
-                     "activation_bytes_map": maps.activation_bytes,
-                     "measured_over_map": fp.measured_bytes / maps.activation_bytes,
-                     "parameters": sum(p.numel() for p in module.parameters()),
-                     "step_ms": step_ms(module, shape, steps, classification=False,
-                                        input_requires_grad=True)})
+        row: dict[str, Any] = {
+            "block": block, "expansion": t, "method": method,
+            "activation_bytes": fp.activation_bytes, "measured_bytes": fp.measured_bytes,
+            "measured_over_analytic": fp.measured_bytes / fp.activation_bytes,
+            "activation_bytes_map": maps.activation_bytes,
+            "measured_over_map": fp.measured_bytes / maps.activation_bytes,
+            "parameters": sum(p.numel() for p in module.parameters()),
+            "step_ms": step_ms(module, shape, steps, classification=False, input_requires_grad=True)}
+        if torchvision_form is not None:
+            row["activation_bytes_torchvision"] = footprint(torchvision_form, shape, input_requires_grad=True,
+                                                            measure=False).activation_bytes
+        rows.append(row)
 
-    add("conv", None, "vanilla", conv_block())
+    paper = form == "paper"
+    add("conv", None, "vanilla", conv_block(), conv_block() if paper else None)
     for kind, make in (("v2", v2_block), ("v3", v3_block)):
         for t in (1, 6):
-            add(kind, t, "vanilla", make(t))
+            add(kind, t, "vanilla", make(t, form), make(t) if paper else None)
             for variant in ("proj-bn", "all-bn-shift", "all-bn"):
-                b = make(t)
-                mobiletl_block(b, variant)  # type: ignore[arg-type]
-                add(kind, t, f"mobiletl:{variant}", b)
+                b, tv = make(t, form), make(t)
+                for m in (b, tv):
+                    mobiletl_block(m, variant)  # type: ignore[arg-type]
+                add(kind, t, f"mobiletl:{variant}", b, tv if paper else None)
     for key, suffix in (("activation_bytes", ""), ("activation_bytes_map", "_map")):
         base = {(r["block"], r["expansion"]): r[key] for r in rows if r["method"] == "vanilla"}
         for r in rows:
@@ -194,18 +215,23 @@ def print_network(title: str, rows: list[dict[str, Any]], ref: str) -> None:
               f"{r['flops_forward'] / 1e9:>7.2f}/{r['flops_backward'] / 1e9:<6.2f}{r['step_ms']:>9.1f}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7, help="timed training steps per variant (fastest counts)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU is shared)")
-    ap.add_argument("--skip-imagenet", action="store_true", help="skip the 224x224 MobileNetV2 table")
-    ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results "
-                    "(a run on a busy machine: its step times must not replace the committed ones)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+_SIZE = re.compile(r"^(conv|v2|v3)=([0-9]*\.?[0-9]+)\s*(B|KB|KiB|MB|MiB)$")
+_UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2}
 
-    blocks = block_table(args.steps)
-    print("blocks: (8, 96, 7, 7) in and out, 5x5 depthwise; activations stored for backward "
+
+def table1_entry(text: str) -> tuple[str, float]:
+    """``conv=0.29MiB`` -> ("conv", bytes): one of the paper's Table 1 numbers, its unit spelled out
+    (MB and MiB differ by 4.9%, more than the 2% the comparison is about)."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BLOCK=SIZE with BLOCK one of conv, v2, v3 and "
+                                         f"SIZE a number with a unit, one of {', '.join(_UNITS)} "
+                                         "(e.g. v2=0.87MiB)")
+    return m[1], float(m[2]) * _UNITS[m[3]]
+
+
+def print_blocks(blocks: list[dict[str, Any]], form: str) -> None:
+    print(f"blocks ({form} form): (8, 96, 7, 7) in and out, 5x5 depthwise; activations stored for backward "
           "(analytic: mask and map conventions)")
     print(f"{'block':<6}{'t':>3}  {'method':<22}{'mask':>12}{'map':>12}{'measured':>12}{'meas/mask':>10}"
           f"{'meas/map':>9}{'red. mask':>10}{'red. map':>9}{'step ms':>9}")
@@ -215,6 +241,93 @@ def main() -> None:
               f"{human_bytes(r['measured_bytes']):>12}{r['measured_over_analytic']:>10.3f}"
               f"{r['measured_over_map']:>9.3f}{r['reduction_vs_vanilla']:>10.1%}"
               f"{r['reduction_vs_vanilla_map']:>9.1%}{r['step_ms']:>9.1f}")
+
+
+def paper_findings(blocks: list[dict[str, Any]], table1: dict[str, float]) -> dict[str, Any]:
+    """The paper-form block table against the paper: Table 1 (vanilla blocks at expansion 1, the mask
+    count: a ReLU6 keeps a 1-bit mask) where its numbers are given, Figure 1's reductions at
+    expansion 6 (within 1 point), and how much of each the torchvision form counts."""
+    by = {(r["block"], r["expansion"], r["method"]): r for r in blocks}
+    table = {kind: by[(kind, t, "vanilla")] for kind, t in (("conv", None), ("v2", 1), ("v3", 1))}
+    findings: dict[str, Any] = {}
+    for kind, r in table.items():
+        findings[f"{kind}_table1_bytes"] = r["activation_bytes"]
+        tv_over_paper = r["activation_bytes_torchvision"] / r["activation_bytes"]
+        findings[f"{kind}_torchvision_over_paper_form"] = tv_over_paper
+        if kind in table1:
+            findings[f"{kind}_table1_paper_bytes"] = table1[kind]
+            findings[f"{kind}_over_table1"] = r["activation_bytes"] / table1[kind]
+            findings[f"{kind}_within_2pct_of_table1"] = abs(r["activation_bytes"] / table1[kind] - 1) <= 0.02
+    findings["v2_t1_over_conv"] = table["v2"]["activation_bytes"] / table["conv"]["activation_bytes"]
+    for kind in ("v2", "v3"):
+        red = by[(kind, 6, "mobiletl:proj-bn")]["reduction_vs_vanilla"]
+        findings[f"{kind}_t6_reduction"] = red
+        findings[f"{kind}_t6_reduction_paper"] = PAPER_REDUCTION[kind]
+        findings[f"{kind}_t6_within_1pt_of_paper"] = abs(red - PAPER_REDUCTION[kind]) <= 0.01
+    return findings
+
+
+def paper_main(args: argparse.Namespace) -> None:
+    """``--block paper``: the paper's block table only, against its Table 1 and Figure 1."""
+    table1 = dict(args.paper_table1 or [])
+    blocks = block_table(args.steps, "paper")
+    print_blocks(blocks, "paper")
+    findings = paper_findings(blocks, table1)
+    print(f"{'Table 1 row':<12}{'ours (mask)':>14}{'paper':>14}{'ours/paper':>12}{'torchvision form':>18}")
+    for kind in ("conv", "v2", "v3"):
+        paper = table1.get(kind)
+        print(f"{kind:<12}{human_bytes(findings[f'{kind}_table1_bytes']):>14}"
+              f"{human_bytes(paper) if paper else 'not given':>14}"
+              f"{findings[f'{kind}_over_table1'] if paper else float('nan'):>12.3f}"
+              f"{findings[f'{kind}_torchvision_over_paper_form']:>17.3f}x")
+    print(f"findings: {findings}")
+    v2t6, v3t6 = findings["v2_t6_reduction"], findings["v3_t6_reduction"]
+    path = write_result("memory_paper_blocks", {
+        "question": "the MobileTL paper's block-memory table (Table 1) and reductions (Figure 1), on the "
+                    "paper's blocks",
+        "headline": (f"paper-form blocks at t=1: conv {human_bytes(findings['conv_table1_bytes'])}, "
+                     f"V2 {human_bytes(findings['v2_table1_bytes'])}, "
+                     f"V3 {human_bytes(findings['v3_table1_bytes'])}; "
+                     f"MobileTL at t=6 {v2t6:.1%} (V2) / {v3t6:.1%} (V3) less (paper 46.3% / 53.3%)"),
+        "settings": {"steps": args.steps, "torch_threads": torch.get_num_threads(), "block_form": "paper",
+                     "blocks": "input/output (8, 96, 7, 7), 5x5 depthwise, gradient flows out of the input; "
+                               "IRBs as the paper describes them: an expanding 1x1 conv (+ norm + "
+                               "activation) at expansion 1 too",
+                     "convention": "activation_bytes: inputs of trained conv/norm at 32 bit, ReLU/ReLU6 "
+                                   "1-bit masks, h-swish/h-sigmoid inputs 32 bit, SE input and scale 32 bit; "
+                                   "activation_bytes_map: ReLU/ReLU6 maps at 32 bit; "
+                                   "activation_bytes_torchvision: the mask count of torchvision's form",
+                     "paper_table1": ({k: f"{v:.0f} B" for k, v in table1.items()} if table1 else
+                                      "not given (--paper-table1): its numbers are not in the repository")},
+        "blocks": blocks,
+        "findings": findings,
+    }, directory=args.output_dir)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7, help="timed training steps per variant (fastest counts)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU is shared)")
+    ap.add_argument("--skip-imagenet", action="store_true", help="skip the 224x224 MobileNetV2 table")
+    ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results "
+                    "(a run on a busy machine: its step times must not replace the committed ones)")
+    ap.add_argument("--block", choices=BLOCKS, default="torchvision",
+                    help="how inverted residual blocks are built: torchvision's (no expanding conv at "
+                         "expansion 1) or the MobileTL paper's (always one); paper: the block table only, "
+                         "written to memory_paper_blocks.json")
+    ap.add_argument("--paper-table1", nargs="+", type=table1_entry, metavar="BLOCK=SIZE",
+                    help="the paper's Table 1 numbers to compare with (--block paper), e.g. conv=0.29MiB")
+    args = ap.parse_args()
+    if args.paper_table1 and args.block != "paper":
+        ap.error("--paper-table1 compares the paper's blocks: it needs --block paper")
+    torch.set_num_threads(args.threads)
+    if args.block == "paper":
+        paper_main(args)
+        return
+
+    blocks = block_table(args.steps)
+    print_blocks(blocks, "torchvision")
     by = {(r["block"], r["expansion"], r["method"]): r for r in blocks}
     findings: dict[str, Any] = {}
     for kind in ("v2", "v3"):
@@ -251,10 +364,11 @@ def main() -> None:
                      "fashion": "mobilenet_v2 width 0.5, small_input, 32x32, last 7 blocks (two-stage), "
                                 "batch 32, 5 classes, AdamW",
                      "convention": "analytic: inputs of trained conv/linear/norm at 32 bit, ReLU masks "
-                                   "1 bit (map convention: 32 bit), h-swish/sigmoid/SE inputs 32 bit; "
-                                   "total = weights + grads + AdamW + activations",
-                     "paper_table1": "not found: no absolute paper numbers for the blocks; the paper's "
-                                     "reductions at expansion 6 (Figure 1) are compared"},
+                                   "1 bit (map convention: 32 bit), h-swish/sigmoid inputs, SE input and "
+                                   "scale 32 bit; total = weights + grads + AdamW + activations",
+                     "paper_table1": "torchvision's blocks (no expanding conv at expansion 1): the paper's "
+                                     "Table 1 is compared on the paper's blocks, --block paper "
+                                     "(memory_paper_blocks.json)"},
         "blocks": blocks,
         "imagenet": imagenet,
         "fashion": fashion,

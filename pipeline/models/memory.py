@@ -9,8 +9,10 @@ MobileTL (Chiang et al., AAAI 2023, Sec. 3): backward needs
 - a 1-bit mask for ReLU/ReLU6 (their derivative is a step function) and for dropout
   (``convention="mask"``, the default), or the ReLU/ReLU6 input as a 32-bit activation map
   (``convention="map"``; see *Conventions* below);
-- the input of Hard-Swish, sigmoid, Hard-sigmoid, SiLU at 32 bits (their derivatives need it),
-  and of a squeeze-and-excitation layer (its channel scaling multiplies by the input);
+- the input of Hard-Swish, sigmoid, Hard-sigmoid, SiLU at 32 bits (their derivatives need it);
+- for a squeeze-and-excitation layer, what its product ``x * s`` needs: the input ``x`` (for the
+  scale's gradient) and, when a gradient flows out of ``x``, the scale ``s`` (one value per sample
+  and channel), both at 32 bits, besides what its own layers keep;
 - for self-attention (``nn.MultiheadAttention``, torchvision's Swin window attention), whose
   projections are applied functionally, not as Linear modules: the input of the q/k/v projection,
   q, k and v, the softmax probabilities (batch x heads x tokens x tokens per window) and the input
@@ -32,15 +34,18 @@ differ only in what a step-derivative activation (ReLU, ReLU6, Hardtanh, LeakyRe
 - ``"map"``: the activation map at 32 bits, as MobileTL's text puts it ("storing a binary mask
   instead of activation maps") and as PyTorch's own ReLU/ReLU6/Hardtanh backward keeps it.
 
-``"map"`` is the one that matches PyTorch's saved tensors (the measured column): on the MobileTL
-paper's block setting ((8, 96, 7, 7), 5x5 depthwise) vanilla conv, MobileNetV2 and V3 blocks
-measure 0.2-0.4% above it, while ``"mask"`` undercounts a vanilla conv-BN-ReLU6 block by a third
-(measured 1.48x). Layers that state their own bits (``activation_bits``: MobileTL's sign masks,
-the bit-packed ReLUs) keep them in both, so MobileTL blocks count the same either way but for
-the ReLU inside a V3 block's SE. The paper's Figure 1 (expansion 6) gives MobileTL's reduction
-as 46.3% (V2) and 53.3% (V3); ``"mask"`` gives 45.5% and 53.4%, ``"map"`` 62.2% and 53.3%, so
-neither reproduces both. Neither was checked against the paper's Table 1 (conv, V2 and V3 blocks
-at expansion 1): its numbers were not found in any source available here.
+``"map"`` is the one that matches PyTorch's saved tensors (the measured column; within 0.5% on
+vanilla blocks), ``"mask"`` the papers' count (a step derivative needs only a sign). Layers that
+state their own bits (``activation_bits``: MobileTL's sign masks, the bit-packed ReLUs) keep them
+in both. Numbers: ``benchmarks/README.md``, MobileTL section.
+
+*Blocks* (``footprint(..., block=...)``; ``pipeline.models.paper_blocks``): ``"torchvision"``
+(default) meters the blocks as built; ``"paper"`` first gives every MobileNetV2/V3 inverted residual
+block without an expanding 1x1 conv (expansion ratio 1, where torchvision leaves it out) the one the
+MobileTL paper's block has, so that its Table 1 (conv, V2 and V3 blocks at expansion 1) is counted on
+the paper's blocks; with ``"mask"`` that is the paper's count. A network without such blocks is
+refused (a ValueError naming the block conventions and the architectures it applies to).
+``block="paper"`` with ``"mask"`` counts what the MobileTL paper's text says its blocks store.
 
 *Measured*: the bytes of every tensor PyTorch actually saves for backward during one real
 training step (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once and
@@ -73,6 +78,9 @@ import torch
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention
 from torchvision.ops import SqueezeExcitation
+
+from .device_peak import device_step_peak, optimizer_slots
+from .paper_blocks import check_block, to_paper_blocks
 
 FLOAT_BITS = 32
 CONVENTIONS = ("mask", "map")  # what a step-derivative activation keeps; see the module doc
@@ -228,6 +236,7 @@ class Footprint:
     label: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     convention: str = "mask"  # what the analytic count keeps for step-derivative activations
+    block: str = "torchvision"  # how inverted residual blocks were built before metering (paper_blocks)
     device: str = "cpu"
     device_peak_bytes: int | None = None  # CUDA allocator peak of one whole step (``device_step_peak``)
 
@@ -291,7 +300,7 @@ class Footprint:
                     f"(frozen bottom {human_bytes(self.frozen_bytes)})"
                     f"  gradients {human_bytes(self.gradient_bytes)}  {self.optimizer} state "
                     f"{human_bytes(self.optimizer_bytes)}  total {human_bytes(self.total_bytes)} analytic "
-                    f"({self.convention} convention)"
+                    f"({self.convention} convention{', the paper blocks' if self.block == 'paper' else ''})"
                     + (f", {human_bytes(self.total_measured_bytes)} measured"
                        if self.total_measured_bytes is not None else ""))
         if self.measured_flops_forward is not None:
@@ -328,18 +337,10 @@ def _leaves(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, m
 
 
-def _optimizer_slots(optimizer: str, momentum: float) -> int:
-    if optimizer in ("adam", "adamw"):
-        return 2
-    if optimizer == "sgd":
-        return 1 if momentum > 0 else 0
-    raise ValueError(f"unknown optimizer {optimizer!r}; expected adamw, adam or sgd")
-
-
 def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: int | None = None,
               optimizer: str = "adamw", momentum: float = 0.9, measure: bool = True, frozen_bytes: int = 0,
               label: str = "", seed: int = 0, input_requires_grad: bool = False,
-              convention: str = "mask") -> Footprint:
+              convention: str = "mask", block: str = "torchvision") -> Footprint:
     """Analytic (and, with ``measure``, measured) training memory of one step of ``model``.
 
     Works on a deep copy in train mode (as the trainer runs it), so ``model``'s weights and
@@ -349,10 +350,14 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
     ``frozen_bytes`` adds weights that sit in memory without training (a frozen bottom that
     runs under no_grad). ``input_requires_grad`` meters a block as it sits inside a network
     whose earlier layers train (MobileTL's block setting): a gradient flows out of its input.
-    ``convention`` (``"mask"`` or ``"map"``) picks the analytic count of the module doc.
+    ``convention`` (``"mask"`` or ``"map"``) picks the analytic count of the module doc; ``block``
+    (``"torchvision"`` or ``"paper"``) how inverted residual blocks are built (a ValueError for
+    ``"paper"`` on a network without them).
     """
     check_convention(convention)
+    check_block(block)
     work = copy.deepcopy(model)
+    expansions_added = to_paper_blocks(work) if block == "paper" else 0
     work.train()
     groups = block_groups(work)
     path_of = {id(m): n for n, m in work.named_modules()}
@@ -388,8 +393,13 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
             return
         bits, reason = stored_bits(module, inp.requires_grad, convention)
         fwd, bwd = layer_flops(module, inp, out)
+        kept = (bits * inp.numel() + 7) // 8
+        if isinstance(module, SqueezeExcitation) and inp.requires_grad:
+            # the gradient out of x * s needs the scale s too: one float per sample and channel
+            kept += FLOAT_BITS * inp.shape[0] * inp.shape[1] // 8
+            reason += " (and its scale)"
         layers.append(LayerMemory(path, type(module).__name__, group_for(path), tuple(inp.shape), bits,
-                                  (bits * inp.numel() + 7) // 8, reason, fwd, bwd))
+                                  kept, reason, fwd, bwd))
 
     for _name, leaf in _leaves(work):
         handles.append(leaf.register_forward_hook(hook))
@@ -472,11 +482,14 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
             by_group[gname].measured_bytes = (by_group[gname].measured_bytes or 0) + nbytes
     trainable = sum(p.numel() for p in work.parameters() if p.requires_grad)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*work.parameters(), *work.buffers()])
-    slots = _optimizer_slots(optimizer, momentum)
+    slots = optimizer_slots(optimizer, momentum)
     device = next(work.parameters()).device
     peak = None
     if device.type == "cuda" and measure:
         del work, out, x
+        if block == "paper":  # the allocator meters the blocks the analytic count saw
+            model = copy.deepcopy(model)
+            to_paper_blocks(model)
         peak = device_step_peak(model, input_shape, device, num_classes=num_classes, optimizer=optimizer,
                                 momentum=momentum, seed=seed, input_requires_grad=input_requires_grad)
     return Footprint(
@@ -489,57 +502,6 @@ def footprint(model: nn.Module, input_shape: tuple[int, ...], *, num_classes: in
         flops_forward=sum(layer.flops_forward for layer in layers),
         flops_backward=sum(layer.flops_backward for layer in layers),
         measured_flops_forward=flops_f, frozen_bytes=frozen_bytes,
-        label=label, convention=convention,
+        label=label, convention=convention, block=block,
+        extra={"paper_expansions_added": expansions_added} if block == "paper" else {},
     )
-
-
-def _optimizer(params: list[nn.Parameter], optimizer: str, momentum: float) -> torch.optim.Optimizer:
-    """The trainer's optimizer kind, fused as the trainer makes it on CUDA (its state is the same size)."""
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=momentum, fused=True)
-    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=1e-3, fused=True)
-
-
-def device_step_peak(module: nn.Module, input_shape: tuple[int, ...], device: torch.device | str, *,
-                     num_classes: int | None = None, optimizer: str = "adamw", momentum: float = 0.9,
-                     seed: int = 0, input_requires_grad: bool = False) -> int:
-    """Bytes the CUDA allocator held at the peak of one training step of a copy of ``module`` on
-    ``device``, above what it held before the copy: weights, gradients, optimizer state, activations
-    and every temporary. The module itself is untouched."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device_step_peak reads the CUDA allocator; {device} has none (use footprint)")
-    _optimizer_slots(optimizer, momentum)  # unknown optimizer: the same error as footprint's
-    # The libraries' first use on a device allocates what they keep for good (cuBLAS's workspace, tens
-    # of MiB): a step on a throwaway copy first, so that lands in the base, not in this step's peak.
-    _one_step(copy.deepcopy(module).to(device).train(), input_shape, device, num_classes, optimizer,
-              momentum, seed, input_requires_grad)
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    _one_step(copy.deepcopy(module).to(device).train(), input_shape, device, num_classes, optimizer,
-              momentum, seed, input_requires_grad)
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device) - base)
-
-
-def _one_step(work: nn.Module, input_shape: tuple[int, ...], device: torch.device, num_classes: int | None,
-              optimizer: str, momentum: float, seed: int, input_requires_grad: bool) -> None:
-    """One training step of ``work`` (already on ``device``) on random data; everything it allocated is
-    freed when it returns."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in work.parameters() if p.requires_grad]
-    opt = _optimizer(params, optimizer, momentum) if params else None
-    x = torch.randn(*input_shape, generator=gen).to(device).requires_grad_(input_requires_grad)
-    with torch.enable_grad():
-        out = work(x)
-        if out.dim() == 2:
-            y = torch.randint(0, num_classes or out.shape[-1], (out.shape[0],), generator=gen).to(device)
-            loss = nn.functional.cross_entropy(out, y)
-        else:
-            loss = out.sum()
-        if loss.requires_grad:
-            loss.backward()
-    if opt is not None:
-        opt.step()

@@ -161,7 +161,8 @@ def test_device_step_peak_reads_only_a_cuda_allocator() -> None:
 # The MobileTL paper's block setting: input and output (8, 96, 7, 7), expansion 1, 5x5 depthwise.
 MAP = 8 * 96 * 7 * 7 * 4  # one fp32 activation map of the block's shape, in bytes
 MASK = 8 * 96 * 7 * 7 // 8  # its 1-bit mask
-SE_SMALL = {"mask": 3072 + 24 + 768 + 3072, "map": 3072 + 768 + 768 + 3072}  # fc1, ReLU, fc2, hsigmoid inputs
+# fc1, ReLU, fc2, hsigmoid inputs, and the scale the product x * s keeps for x's gradient
+SE_SMALL = {"mask": 3072 + 24 + 768 + 3072 + 3072, "map": 3072 + 768 + 768 + 3072 + 3072}
 
 
 @pytest.mark.parametrize("convention", ["mask", "map"])
