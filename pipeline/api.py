@@ -14,11 +14,10 @@ CLI prints; nothing here calls ``sys.exit``.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,141 +25,31 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     PathPermissionError,
-    RecipeError,
     StageError,
     StoreBudgetError,
     Terminated,
     did_you_mean,
 )
-from .recipe import Recipe, apply_overrides, recipe_from_dict
-from .recipe import load_recipe as _load_recipe_file
+from .recipe import Recipe
+
+# Loading, contexts and the resolve pass live in pipeline.resolve, shared by every command; the API
+# names them here as it always has.
+from .resolve import (
+    Overrides,
+    RecipeLike,
+    _override_texts,
+    load_checked,
+    load_recipe,
+    resolve_recipe,
+    run_context,
+)
 
 if TYPE_CHECKING:
-    from .context import RunContext
     from .data.cache_dataset import CacheDataset
     from .runner import PlanRow, Runner, StageReport
     from .stages.feature_aug import FeatureAugment
 
 __all__ = ["RunResult", "cache_dataset", "load_recipe", "plan", "run", "run_context"]
-
-RecipeLike = str | Path | Mapping[str, Any] | Recipe
-Overrides = Mapping[str, Any] | Sequence[str] | None
-
-
-# ------------------------------------------------------------------------------------- recipes
-def _override_texts(overrides: Overrides) -> list[str]:
-    """``{"stages.x.y": v}`` or ``["stages.x.y=v"]`` as the ``KEY=VALUE`` texts ``--set`` takes."""
-    if overrides is None:
-        return []
-    if isinstance(overrides, str):
-        return [overrides]
-    if isinstance(overrides, Mapping):
-        texts = []
-        for key, value in overrides.items():
-            if not isinstance(key, str):
-                raise RecipeError(
-                    f"overrides: keys are dotted field paths like 'stages.cache.bits', got {key!r}"
-                )
-            texts.append(f"{key}={_yaml_value(key, value)}")
-        return texts
-    texts = list(overrides)
-    for text in texts:
-        if not isinstance(text, str):
-            raise RecipeError(f"overrides: expected 'KEY=VALUE' strings, got {text!r}")
-    return texts
-
-
-def _plain(value: Any) -> Any:
-    """Tuples as lists (YAML has only sequences); everything else as it is."""
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _yaml_value(key: str, value: Any) -> str:
-    """``value`` as the YAML text ``--set`` parses back to it (one line, flow style)."""
-    import yaml
-
-    try:
-        text = yaml.safe_dump(_plain(value), default_flow_style=True, width=float("inf"))
-    except yaml.YAMLError:
-        raise RecipeError(
-            f"overrides[{key!r}]: {value!r} is not plain data (expected str, int, float, bool, None, "
-            "or lists and dicts of them)"
-        ) from None
-    return text.removesuffix("\n...\n").rstrip("\n")
-
-
-def load_recipe(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
-    """A validated recipe from a YAML file, a dict or a :class:`~pipeline.recipe.Recipe`, overrides applied.
-
-    ``overrides`` are what ``--set`` takes on the command line: ``{"stages.cache.bits": 4}`` or
-    ``["stages.cache.bits=4"]``. Errors (:class:`~pipeline.errors.RecipeError`) name the file, the
-    line or the override, the field and what was expected.
-
-    Example::
-
-        import pipeline
-
-        recipe = pipeline.load_recipe("recipes/quickstart.yaml", {"stages.quantized.bits": 4})
-        print(recipe.name, list(recipe.stages))
-    """
-    texts = _override_texts(overrides)
-    if isinstance(recipe, Recipe):
-        if not texts:
-            return recipe
-        data: dict[str, Any] = recipe.resolved_dict()
-        touched = apply_overrides(data, texts)
-        return recipe_from_dict(data, source=recipe.source, overridden=touched)
-    if isinstance(recipe, Mapping):
-        data = copy.deepcopy(dict(recipe))
-        touched = apply_overrides(data, texts)
-        return recipe_from_dict(data, source="<dict>", overridden=touched)
-    if isinstance(recipe, str | Path):
-        return _load_recipe_file(recipe, texts)
-    raise RecipeError(
-        f"expected a recipe file path, a dict or a Recipe, got {type(recipe).__name__}: {recipe!r}"
-    )
-
-
-# ----------------------------------------------------------------------------------- contexts
-def run_context(
-    recipe: Recipe,
-    *,
-    store: str | Path | None = None,
-    max_bytes: int | None = None,
-    output: Path | None = None,
-    quiet: bool = False,
-    writes: bool = False,
-) -> RunContext:
-    """The :class:`~pipeline.context.RunContext` a run of ``recipe`` uses (``--store``, ``--max-bytes``).
-
-    ``store`` overrides the recipe's ``store.path`` (then ``$ONDEVICE_TL_STORE``, then the per-user
-    cache); ``max_bytes`` overrides ``store.max_bytes``, 0 included. ``writes``: the run will write
-    to the store, so a store this user cannot write is refused now (exit 2), before any work.
-    """
-    from stores.catalog import Catalog
-
-    from .context import RunContext
-    from .executors import executor_for
-    from .progress import Progress
-    from .storepath import resolve_store
-
-    root = resolve_store(None if store is None else str(store), recipe.store.path, writable=writes)
-    budget = max_bytes if max_bytes is not None else recipe.store.max_bytes
-    return RunContext(
-        catalog=Catalog(root, max_bytes=budget),
-        output_dir=output,
-        seed=recipe.seed,
-        device=recipe.run.device,
-        recipe_name=recipe.name,
-        recipe_path=recipe.source,
-        progress=Progress(quiet=quiet),
-        recipe=recipe,
-        executor=executor_for(recipe),
-    )
 
 
 # ------------------------------------------------------------------------------------ plan, run
@@ -179,10 +68,8 @@ def plan(
         for row in pipeline.plan("recipes/quickstart.yaml"):
             print(f"{row.name:<20} {row.action:<8} {row.fingerprint[:12]}")
     """
-    from .runner import Runner
-
-    resolved = load_recipe(recipe, overrides)
-    return Runner(resolved, run_context(resolved, store=store, quiet=True)).plan()
+    loaded, _ = load_checked(recipe, overrides)
+    return resolve_recipe(loaded, context=run_context(loaded, store=store, quiet=True)).rows
 
 
 @dataclass(frozen=True)
@@ -240,11 +127,10 @@ def run(
         print(result.outputs["two_stage"]["accuracy"], result.run_dir)
     """
     from .report import clear_run_dir, failure_of, recording_skipped_samples, write_run_outputs
-    from .runner import Runner
     from .threads import install as install_threads
     from .threads import uninstall as uninstall_threads
 
-    resolved = load_recipe(recipe, overrides)
+    resolved, _ = load_checked(recipe, overrides)  # a recipe that does not load: refused before anything
     for warning in random_backbone_warnings(resolved):
         print(warning, file=sys.stderr)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -269,7 +155,9 @@ def run(
     with recording_skipped_samples() as skipped:
         try:
             try:
-                runner = Runner(resolved, ctx)  # resolves: a recipe that cannot run stops here
+                # The resolve pass plan and validate make, here in the run's own context (its store, its
+                # threads); one that fails is recorded in the run directory like any other stop.
+                runner = resolve_recipe(resolved, context=ctx).runner
                 check_budget(runner, ctx.catalog.max_bytes)  # before any work
                 reports = runner.run()
             finally:
@@ -489,14 +377,12 @@ def cache_dataset(
     recipe: Recipe | None = None
     cache_stage: str | None = None
     if _looks_like_recipe(entry_or_recipe):
-        from .runner import Runner
-
         recipe = load_recipe(entry_or_recipe, overrides)
         cache_stage = _cache_stage(recipe, stage)
         # Resolve only what the cache stage needs: its fingerprint does not depend on the targets.
         only = recipe.model_copy(update={"targets": (cache_stage,)})
         ctx = run_context(only, store=store, quiet=True)
-        fingerprint = Runner(only, ctx).fingerprints[cache_stage]
+        fingerprint = resolve_recipe(only, context=ctx).runner.fingerprints[cache_stage]
         catalog = ctx.catalog
         if not is_cacheable(fingerprint):
             raise CacheEntryError(

@@ -1,6 +1,7 @@
 """Hostile and careless recipe files are refused before any work, naming the file: other encodings,
 alias bombs, huge files, a list or a scalar, self-references, non-finite numbers, booleans given for
-numbers, seeds out of range. And mutated recipes never get past `validate` as a traceback."""
+numbers, seeds out of range. Mutated recipes never get past `validate` as a traceback, and what `plan`
+refuses (found while the stages resolve: classes, cuts, data), `validate` refuses too."""
 
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = (ROOT / "recipes" / "quickstart.yaml").read_text()
 
 
-def validate(path: Path) -> tuple[int, str]:
+def cli(*argv: str) -> tuple[int, str]:
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        code = main(["validate", str(path)])
+        code = main(list(argv))
     return code, out.getvalue() + err.getvalue()
+
+
+def validate(path: Path, *overrides: str) -> tuple[int, str]:
+    return cli("validate", str(path), *sum((["--set", o] for o in overrides), []))
 
 
 def alias_bomb(levels: int = 12) -> str:
@@ -167,3 +172,102 @@ def test_validate_answers_a_mutated_recipe_with_an_exit_code_never_a_traceback(
     if code == 2:
         assert "mutated.yaml" in text.splitlines()[0] or "mutated.yaml" in text, text
     assert peak < 200 * 2**20
+
+
+# ----------------------------------------------------------------- refused while stages resolve
+QUICKSTART_FILE = ROOT / "recipes" / "quickstart.yaml"
+FASHION_FILE = ROOT / "recipes" / "cache_reuse" / "fashion_mnist.yaml"
+# (recipe, --set, what the one-line message says after the file): each found only by resolving the
+# stages (labels, specs, data on disk) or by checking the graph; plan finds each the same way.
+RESOLVE_ERRORS = {
+    "duplicate classes": (QUICKSTART_FILE, "stages.target_digits.classes=[5,5,6]",
+                          r"stages\.target_digits \(split\): classes lists \[5\] more than once"),
+    "classes out of range": (QUICKSTART_FILE, "stages.target_digits.classes=[5,42]",
+                             r"stages\.target_digits \(split\): classes \[42\] out of range: this dataset "
+                             r"has 10 classes"),
+    "cut deeper than the network": (QUICKSTART_FILE, "stages.features.train_last_blocks=25",
+                                    r"stages\.features\.train_last_blocks: train_last_blocks=25 is outside "
+                                    r"the valid range 0\.\.19"),
+    "input of the wrong kind": (QUICKSTART_FILE, "stages.two_stage.features=target_digits",
+                                r"stages\.two_stage\.features: expected a stage producing a stream, but "
+                                r"'target_digits' \(split\) produces a dataset"),
+    "dequantize of unquantized features": (QUICKSTART_FILE, "stages.dequantized.input=features",
+                                           r"stages\.dequantized \(dequantize\): expected a quantized "
+                                           r"feature stream"),
+    "dataset not on this machine": (FASHION_FILE, "stages.fmnist.root={tmp}",
+                                    r"stages\.fmnist \(fashion_mnist\): fashion_mnist: the idx files .* "
+                                    r"were not found in {tmp}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESOLVE_ERRORS))
+def test_validate_refuses_what_only_resolving_finds_as_plan_does(tmp_path: Path, case: str) -> None:
+    recipe, override, expected = RESOLVE_ERRORS[case]
+    override, expected = override.format(tmp=tmp_path), expected.format(tmp=re.escape(str(tmp_path)))
+    code, text = validate(recipe, override)
+    assert code == 2, text
+    assert "Traceback" not in text and "internal error" not in text, text
+    assert re.search(f"{re.escape(str(recipe))}.*{expected}", text), text
+    planned, plan_text = cli("plan", str(recipe), "--set", override, "--store", str(tmp_path / "store"))
+    assert planned == 2 and re.search(expected, plan_text), plan_text
+
+
+def test_validate_needs_no_store_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    scratch, home = tmp_path / "tmp", tmp_path / "home"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the scratch store is made
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))  # the per-user default store
+    monkeypatch.delenv("ONDEVICE_TL_STORE", raising=False)
+    # a store that plan could not use (its parent does not exist): validate does not look at it
+    store = tmp_path / "no" / "such" / "store"
+    code, text = validate(QUICKSTART_FILE, f"store.path={store}")
+    assert code == 0 and "valid (12 stages, 12 resolved; targets: baseline, two_stage)" in text, text
+    assert not store.parent.exists() and not home.exists()
+    assert list(scratch.iterdir()) == []  # the scratch store is removed
+    code, text = validate(QUICKSTART_FILE, "stages.target_digits.classes=[5,5]")
+    assert code == 2 and list(scratch.iterdir()) == [], text
+
+
+@st.composite
+def retyped(draw: st.DrawFn) -> Any:
+    """The quickstart with one or two values replaced by others of the same type (a class list by
+    another, a stage name by another): most still load, so the stages' resolve pass is what judges."""
+    import copy
+
+    data: Any = copy.deepcopy(BASE)
+    for _ in range(draw(st.integers(1, 2))):
+        *parents, key = draw(st.sampled_from(PATHS))
+        parent = data
+        try:
+            for part in parents:
+                parent = parent[part]
+            old = parent[key]
+        except (IndexError, TypeError):
+            continue  # an earlier mutation made this list shorter, or replaced it
+        if isinstance(old, bool) or not isinstance(old, int | float | str | list):
+            continue
+        if isinstance(old, int):
+            parent[key] = draw(st.integers(-1, 30))
+        elif isinstance(old, float):
+            parent[key] = draw(st.floats(0.0, 1.0))
+        elif isinstance(old, list):
+            parent[key] = draw(st.lists(st.integers(-1, 11), max_size=5))
+        else:
+            parent[key] = draw(st.sampled_from([old, *BASE["stages"]]))
+    return data
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=retyped())
+def test_validate_and_plan_give_a_mutated_recipe_the_same_verdict(tmp_path: Path, data: Any) -> None:
+    path = tmp_path / "mutated.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True))
+    validated, text = validate(path)
+    planned, plan_text = cli("plan", str(path), "--store", str(tmp_path))
+    assert (validated, planned) in ((0, 0), (2, 2)), f"validate: {text}\nplan: {plan_text}"
+    if validated == 2:
+        assert "mutated.yaml" in text and "Traceback" not in text, text

@@ -5,6 +5,7 @@ An arrow means "may import"; nothing imports a layer above its own:
     5 cli       pipeline.cli, pipeline.cache_cli, pipeline.repair (the `cache repair` command's work),
                 pipeline.scaffold (the `new` command: the shipped example recipes), pipeline.__main__,
                 pipeline.api (the Python API: what the commands do, as functions),
+                pipeline.resolve (loading and resolving a recipe: the one pass every command makes),
                 pipeline.deploy.{commands,export,predict,evaluate} (the export, predict and evaluate
                 commands' work), pipeline.choose.* (the choose command: a search over runs),
                 pipeline.sweep.* (the sweep command: runs of the API, planned together)
@@ -51,6 +52,7 @@ SHARED = {
 }
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("pipeline.cli", "pipeline.cache_cli", "pipeline.repair", "pipeline.__main__", "pipeline.api",
+         "pipeline.resolve",
          "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
          "pipeline.deploy.evaluate", "pipeline.choose", "pipeline.sweep")),
     (4, ("pipeline.recipe", "pipeline.registry", "pipeline.derive_cuts")),

@@ -80,11 +80,25 @@ def test_every_recipe_path_shown_exists() -> None:
             assert (ROOT / path).is_file(), f"{doc.name}: {path}"
 
 
-def test_the_own_data_recipe_is_valid(tmp_path: Path) -> None:
+def test_the_own_data_recipe_is_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S) if "image_folder" in b]
     recipe = yaml.safe_load(block)
     assert recipe["stages"]["photos"]["type"] == "image_folder"
-    assert recipe["stages"]["backbone"]["weights"].endswith(".pth")
+    weights = recipe["stages"]["backbone"]["weights"]
+    assert weights.endswith(".pth")
     path = tmp_path / "flowers.yaml"
     path.write_text(block)
-    assert main(["validate", str(path)]) == 0
+    # validate resolves the stages as plan does, so it reads the data the recipe names (relative to here)
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", str(path)]) == 2
+    assert "stages.photos (image_folder): image_folder root photos does not exist" in capsys.readouterr().err
+    from PIL import Image
+
+    for flower in ("daisy", "rose"):
+        (tmp_path / "photos" / flower).mkdir(parents=True)
+        for i in range(5):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "photos" / flower / f"{i}.png")
+    (tmp_path / weights).write_bytes(b"a state_dict")  # a weights file is only hashed until a run loads it
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err

@@ -84,7 +84,7 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def cmd_choose(args: argparse.Namespace) -> int:
-    from ..api import load_recipe
+    from ..resolve import load_recipe
     from .halving import TrainingFailed, train_candidates
     from .report import summary_line, table, write_outputs
     from .search import choose

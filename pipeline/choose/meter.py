@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..api import load_recipe, run_context
-from ..errors import ModelError, RecipeError, StageError
+from ..errors import ModelError, PipelineError, RecipeError, StageError
 from ..methods.finetune import Finetune
 from ..recipe import Recipe
-from ..runner import Runner
+from ..resolve import load_recipe, resolve_recipe, run_context
 from ..spec import Spec
 from .space import Candidate
 
@@ -74,12 +73,17 @@ def meter_candidates(
         trainer = resolved.stages[target]
         assert isinstance(trainer, Finetune)
         try:
-            runner = Runner(resolved, run_context(resolved, store=store, quiet=True))
+            # The resolve pass validate, plan and run make (pipeline/resolve.py), for this candidate.
+            runner = resolve_recipe(resolved, context=run_context(resolved, store=store, quiet=True)).runner
             key = _footprint_key(trainer, runner.specs)
             if key not in seen:
                 seen[key] = trainer.footprint_from_specs(runner.specs, runner.ctx, measure=False).total_bytes
         except (ModelError, StageError) as exc:
             metered.excluded = f"invalid: {str(exc).splitlines()[0]}"
+        except PipelineError as exc:
+            # Not a combination that does not fit (left out above) but a recipe no candidate can run
+            # (data that is not there, a graph that does not hold): bad input, refused before any training.
+            raise type(exc)(f"candidate {candidate.id} ({candidate.describe()}): {exc}") from None
         else:
             metered.memory_bytes = seen[key]
             if seen[key] > max_memory:

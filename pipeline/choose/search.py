@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..api import load_recipe, run_context
 from ..errors import BudgetError
 from ..methods.finetune import Finetune
 from ..recipe import Recipe
-from ..runner import Runner
+from ..resolve import load_recipe, resolve_recipe, run_context
 from .halving import Halving, Train, successive_halving, train_candidates
 from .meter import Metered, candidate_recipe, meter_candidates, mib
 from .space import Candidate, Knobs, build_candidates, find_knobs, pick_target
@@ -74,7 +73,8 @@ def _blocks_counter(recipe: Recipe, knobs: Knobs, store: str | Path | None) -> C
             if arch is not None:
                 overrides[f"stages.{knobs.backbone}.arch"] = arch
             only = load_recipe(recipe, overrides)
-            spec = Runner(only, run_context(only, store=store, quiet=True)).specs[knobs.backbone]
+            resolved = resolve_recipe(only, context=run_context(only, store=store, quiet=True))
+            spec = resolved.runner.specs[knobs.backbone]
             seen[arch] = spec.model.num_blocks if spec.model is not None else 0
         return seen[arch]
 

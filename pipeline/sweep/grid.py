@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from ..api import _yaml_value  # the one writer of --set values from Python data
 from ..errors import RecipeError, did_you_mean
 from ..recipe import load_yaml
+from ..resolve import _yaml_value  # the one writer of --set values from Python data
 
 _OPEN, _CLOSE = "[{", "]}"
 

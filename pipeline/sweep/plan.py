@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..api import RecipeLike, load_recipe, plan
+from ..api import plan
 from ..errors import PipelineError
 from ..graph import Graph
 from ..recipe import Recipe
+from ..resolve import RecipeLike, load_checked, load_recipe
 from ..runner import PlanRow
 from ..spec import MODEL, RESULT, STREAM
 from ..stages.derived_cut import blocks_ran
@@ -140,15 +141,17 @@ def variant_recipes(
         combos = combinations(axes)
     check_keys(axes, base.full_dict(), overrides)
     picked = sample(combos, random, seed, note=note)
-    # A file is loaded again per variant (not the base), so errors name its lines and the --grid
-    # that set a field; a dict or Recipe has no lines to name.
+    # A file is loaded again per variant (not the base), as validate, plan and run load it, so errors
+    # name its lines and the --grid that set a field (a cut outside its backbone too); a dict or Recipe
+    # has no lines to name. Each variant is then resolved when it is planned (plan_sweep).
     from_file = isinstance(recipe, str | Path)
     variants, errors = [], []
     for index, combo in enumerate(picked):
         texts = tuple(axis.override(i) for axis, i in zip(axes, combo, strict=True))
         values = {axis.key: axis.values[i] for axis, i in zip(axes, combo, strict=True)}
         try:
-            resolved = load_recipe(recipe, [*overrides, *texts]) if from_file else load_recipe(base, texts)
+            resolved = (load_checked(recipe, [*overrides, *texts])[0] if from_file
+                        else load_recipe(base, texts))
         except PipelineError as exc:
             message = str(exc)
             for axis in axes:  # the recipe names an override's source as --set; these came from a --grid
@@ -243,7 +246,7 @@ def plan_sweep(
             if name not in graph.targets:
                 raise GridError(f"--target {name} is not one of its targets ({', '.join(graph.targets)}); "
                                 "name one with --target")
-            rows = plan(v.recipe, store=store)
+            rows = plan(v.recipe, store=store)  # resolved as validate and run resolve (pipeline/resolve.py)
         except PipelineError as exc:
             errors.append(f"variant {v.id} ({v.label}): {exc}")
             continue

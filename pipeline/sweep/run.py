@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..api import RecipeLike, _override_texts
 from ..derive_cuts import share_bottom
 from ..errors import PathPermissionError
 from ..recipe import Recipe
+from ..resolve import RecipeLike, _override_texts
 from ..storepath import resolve_store
 from .execute import run_dask, run_local
 from .grid import Axis, GridError

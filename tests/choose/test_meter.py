@@ -13,7 +13,7 @@ from pipeline.choose.meter import meter_candidates
 from pipeline.choose.search import choose
 from pipeline.choose.space import build_candidates, find_knobs, parse_space
 from pipeline.cli import main
-from pipeline.errors import BudgetError, RecipeError
+from pipeline.errors import BudgetError, DataError, RecipeError
 from pipeline.memory_report import memory_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,3 +100,23 @@ def test_cli_bad_input_exits_2_before_any_work(tmp_path: Path, capsys: pytest.Ca
         assert main([*base, *ok, *extra]) == 2
         assert expected in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_candidate_that_cannot_resolve_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Duplicate classes pass the schema; the split finds them while the candidate resolves (as validate
+    # and plan do): no candidate could run like that, so it is bad input, not a candidate left out.
+    space = ("cut=7", "bits=2", "method=vanilla", "stages.target_digits.classes=[5,6],[5,5]")
+    with pytest.raises(DataError) as err:
+        meter_candidates(QUICKSTART, candidates(*space), "two_stage", max_memory=64 * MIB, store=tmp_path,
+                         log=lambda line: None)
+    message = str(err.value)
+    assert message.startswith("candidate c02 (") and "stages.target_digits.classes=[5, 5]" in message
+    assert f"{QUICKSTART}: stages.target_digits (split): classes lists [5] more than once" in message
+    argv = ["choose", str(QUICKSTART), "--store", str(tmp_path), "--output", str(tmp_path / "out"),
+            "--max-memory", "64MiB", "--max-epoch-seconds", "5", "--target", "two_stage",
+            *sum((["--space", s] for s in space), [])]
+    assert main(argv) == 2
+    assert "error: candidate c02 (" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "entries").glob("*"))

@@ -90,9 +90,31 @@ def test_a_value_of_the_wrong_type_names_the_variant_and_the_grid(recipe: Path, 
     assert f"(--grid {LR}): {LR}: " in message and "'fast'" in message
 
 
-def test_a_cut_outside_the_backbone_is_found_while_planning(recipe: Path, tmp_path: Path) -> None:
-    with pytest.raises(GridError, match=r"1 of the sweep's 2 variants cannot be planned:\n  variant 002 "):
+def test_a_cut_outside_the_backbone_names_the_variant_and_the_grid(recipe: Path, tmp_path: Path) -> None:
+    # Each variant of a file is loaded as validate loads it: the cut is checked against the backbone there.
+    with pytest.raises(GridError) as err:
         prepare(recipe, [f"{CUT}=7,99"], store=tmp_path / "store")
+    message = str(err.value)
+    assert message.startswith("1 of the sweep's 2 variants do not make valid recipes:\n  variant 002 ")
+    assert f"(--grid {CUT}): {CUT}: train_last_blocks=99 is outside the valid range 0..19" in message
+    # A dict has no lines: the same cut is found when the variant resolves, before any work.
+    with pytest.raises(GridError, match=r"1 of the sweep's 2 variants cannot be planned:\n  variant 002 .*"
+                       r"stages\.features \(frozen_forward\): train_last_blocks=99 is outside"):
+        prepare(tiny_recipe(), [f"{CUT}=7,99"], store=tmp_path / "store")
+
+
+def test_a_variant_that_cannot_resolve_is_refused_naming_it(recipe: Path, tmp_path: Path) -> None:
+    # Duplicate classes pass the schema; the split finds them while resolving, as validate and plan do.
+    with pytest.raises(GridError) as err:
+        prepare(recipe, ["stages.target_digits.classes=[5,6],[5,5],[5,42]"], store=tmp_path / "store")
+    message = str(err.value)
+    assert message.startswith("2 of the sweep's 3 variants cannot be planned:\n  variant 002 ")
+    assert ("variant 002 (stages.target_digits.classes=[5,5]): "
+            f"{recipe}: stages.target_digits (split): classes lists [5] more than once") in message
+    assert ("variant 003 (stages.target_digits.classes=[5,42]): "
+            f"{recipe}: stages.target_digits (split): classes [42] out of range") in message
+    entries = tmp_path / "store" / "entries"
+    assert not entries.exists() or not any(entries.iterdir())  # refused before any work
 
 
 def test_the_ranking_target_must_be_a_target(recipe: Path, tmp_path: Path) -> None:
