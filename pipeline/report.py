@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -136,13 +137,86 @@ def _epochs(path: Path) -> dict[str, list[dict[str, Any]]]:
     return by_stage
 
 
+def _from_lists(name: str, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored training result's per-epoch history (finetune keeps it as ``*_all`` lists)."""
+    columns = {"train_loss": "train_loss_all", "val_acc": "val_accuracy_all", "val_loss": "val_loss_all",
+               "epoch_seconds": "epoch_seconds_all"}
+    lists = {key: m[src] for key, src in columns.items() if isinstance(m.get(src), list)}
+    if "train_loss" not in lists:
+        return []
+    mode = {"mode": m["mode"]} if "mode" in m else {}
+    return [{"stage": name, **mode, "epoch": i,
+             **{key: values[i] for key, values in lists.items() if i < len(values)}}
+            for i in range(len(lists["train_loss"]))]
+
+
+def reused_history(reports: Sequence[StageReport], runner: Runner | None,
+                   logged: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The per-epoch records of the trainings this run took from the store instead of running them.
+
+    A reused stage trains nothing, so it logs nothing while the run works; its stored result (a
+    trainer's result.json + build.json) or its entry's manifest (a pretrained backbone) holds the
+    history of the build that made it. Written to metrics.jsonl marked ``reused`` (with the entry), so
+    a rerun's curves and metrics show the training its numbers come from.
+    """
+    records: list[dict[str, Any]] = []
+    for r in reports:
+        if r.status != "reused" or logged.get(r.name):
+            continue
+        history = _from_lists(r.name, r.metrics) if r.kind == RESULT else []
+        if not history and runner is not None and r.kind != RESULT:
+            entry = runner.ctx.catalog.lookup(r.fingerprint)
+            stored = entry.manifest.get("extra", {}).get("history") if entry is not None else None
+            if isinstance(stored, list):
+                history = [{"stage": r.name, **rec} for rec in stored if isinstance(rec, dict)]
+        records += [{**rec, "reused": True, "entry": r.fingerprint[:12]} for rec in history]
+    return records
+
+
+def training_seconds(m: dict[str, Any]) -> float | None:
+    """A trainer's training time: its own total, else the sum of its epochs (finetune records those)."""
+    if _number(m.get("train_seconds")):
+        return float(m["train_seconds"])
+    epochs = m.get("epoch_seconds_all")
+    if isinstance(epochs, list) and epochs and all(_number(e) for e in epochs):
+        return float(sum(epochs))
+    return None
+
+
+# Bar colours and names of the trainers' modes; any other trainer (tinytl, neuroflux, ...) is grey.
+MODE_BARS = {"single_stage": ("tab:orange", "orange", "single-stage"),
+             "two_stage": ("tab:blue", "blue", "two-stage")}
+
+
+def epoch_time_title(results: dict[str, dict[str, Any]]) -> str:
+    """Named after what the plot shows: the modes present, with their colours when there are several."""
+    other = ("tab:gray", "grey", "other trainers")
+    present = {MODE_BARS.get(m.get("mode", ""), other) for m in results.values()}
+    kinds = [bar for bar in (*MODE_BARS.values(), other) if bar in present]  # always in this order
+    if len(kinds) == 1:
+        return f"seconds per epoch: {kinds[0][2]}"
+    return "seconds per epoch: " + " vs ".join(f"{name} ({colour})" for _, colour, name in kinds)
+
+
+def _save(fig: Any, path: Path, title: str) -> None:
+    # The title also goes into the PNG's text chunk and report.md's alt text: what each plot shows is
+    # readable without looking at it (and checked by the tests).
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Title": title})
+
+
 def _plots(
-    output: Path, epochs: dict[str, list[dict[str, Any]]], results: dict[str, dict[str, Any]]
-) -> list[str]:
+    output: Path,
+    epochs: dict[str, list[dict[str, Any]]],
+    results: dict[str, dict[str, Any]],
+    reused: AbstractSet[str] = frozenset(),
+) -> list[tuple[str, str]]:
+    """Draw the run's plots; (file name, title) of each one written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
     # Per-epoch records with one loss (trainers of one network); block-wise local learning logs
@@ -152,50 +226,62 @@ def _plots(
         for stage, recs in epochs.items()
         if recs and all(_number(r.get("train_loss")) for r in recs)
     }
-    if scalar:
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-        for stage, recs in scalar.items():
-            xs = [r["epoch"] for r in recs]
-            ax_loss.plot(xs, [r["train_loss"] for r in recs], marker="o", label=stage)
-            if any(r.get("val_acc") is not None for r in recs):
-                ax_acc.plot(xs, [r.get("val_acc") for r in recs], marker="o", label=stage)
-        ax_loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
-        ax_acc.set(xlabel="epoch", ylabel="val accuracy", title="validation accuracy")
-        ax_loss.legend()
-        ax_acc.legend()
-        fig.tight_layout()
-        fig.savefig(output / "curves.png", dpi=100)
+    # A pretrained backbone learned other classes (its own data) than the transfer that follows: its
+    # curves get their own row, so no one reads its accuracy as the transfer's.
+    transfer = {s: recs for s, recs in scalar.items() if s in results}
+    pretraining = {s: recs for s, recs in scalar.items() if s not in results}
+    rows = [(label, group) for label, group in (
+        ("transfer", transfer), ("pretraining, own classes", pretraining)) if group]
+    if rows:
+        fig, axes = plt.subplots(len(rows), 2, figsize=(10, 4 * len(rows)), squeeze=False)
+        for (label, group), (ax_loss, ax_acc) in zip(rows, axes, strict=True):
+            for stage, recs in group.items():
+                name = f"{stage} (reused)" if stage in reused else stage
+                style = "--" if stage in reused else "-"
+                xs = [r["epoch"] for r in recs]
+                ax_loss.plot(xs, [r["train_loss"] for r in recs], style, marker="o", label=name)
+                if any(r.get("val_acc") is not None for r in recs):
+                    ax_acc.plot(xs, [r.get("val_acc") for r in recs], style, marker="o", label=name)
+            ax_loss.set(xlabel="epoch", ylabel="train loss", title=f"{label}: training loss")
+            ax_acc.set(xlabel="epoch", ylabel="val accuracy", title=f"{label}: val accuracy")
+            seen = sorted({r["epoch"] for recs in group.values() for r in recs})
+            for ax in (ax_loss, ax_acc):  # epochs are whole numbers: ticks on them, never at 0.5
+                if len(seen) <= 12:
+                    ax.set_xticks(seen)
+                else:
+                    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax_loss.legend()
+            if ax_acc.lines:
+                ax_acc.legend()
+        title = "training curves: " + "; ".join(f"{label} ({', '.join(group)})" for label, group in rows)
+        _save(fig, output / "curves.png", title)
         plt.close(fig)
-        written.append("curves.png")
+        written.append(("curves.png", title))
     timed = {n: m for n, m in results.items() if _number(m.get("epoch_seconds"))}
     if timed:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = list(timed)
         ax.bar(
-            names,
+            [f"{n} (reused)" if n in reused else n for n in names],
             [timed[n]["epoch_seconds"] for n in names],
-            color=["tab:orange" if timed[n].get("mode") == "single_stage" else "tab:blue" for n in names],
+            color=[MODE_BARS.get(timed[n].get("mode", ""), ("tab:gray",))[0] for n in names],
         )
-        ax.set(ylabel="seconds per epoch", title="epoch time: single-stage (orange) vs two-stage (blue)")
-        fig.tight_layout()
-        fig.savefig(output / "epoch_time.png", dpi=100)
+        title = epoch_time_title(timed)
+        ax.set(ylabel="seconds per epoch", title=title)
+        _save(fig, output / "epoch_time.png", title)
         plt.close(fig)
-        written.append("epoch_time.png")
+        written.append(("epoch_time.png", title))
     curves = {n: m["val_curve"] for n, m in results.items() if m.get("val_curve")}
     if curves:
         fig, ax = plt.subplots(figsize=(6, 4))
         for n, curve in curves.items():
             ax.plot([t for t, _ in curve], [a for _, a in curve], marker="o", label=n)
-        ax.set(
-            xlabel="seconds since the stage started",
-            ylabel="best val accuracy so far",
-            title="time to accuracy",
-        )
+        title = "time to accuracy"
+        ax.set(xlabel="seconds since the stage started", ylabel="best val accuracy so far", title=title)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(output / "time_to_accuracy.png", dpi=100)
+        _save(fig, output / "time_to_accuracy.png", title)
         plt.close(fig)
-        written.append("time_to_accuracy.png")
+        written.append(("time_to_accuracy.png", title))
     return written
 
 
@@ -318,7 +404,14 @@ def write_run_outputs(
         + yaml.safe_dump(recipe.full_dict(), sort_keys=False)
     )
     epochs = _epochs(output / "metrics.jsonl")
-    plots = _plots(output, {k: v for k, v in epochs.items() if k in results or v}, results)
+    stored = reused_history(reports, runner, epochs)
+    if stored:
+        with open(output / "metrics.jsonl", "a") as fh:
+            fh.writelines(json.dumps(rec, default=float) + "\n" for rec in stored)
+        for rec in stored:
+            epochs[rec["stage"]].append(rec)
+    taken = {r.name for r in reports if r.status == "reused"}
+    plots = _plots(output, {k: v for k, v in epochs.items() if k in results or v}, results, taken)
     lines = [
         f"# Run report: {recipe.name}",
         "",
@@ -378,11 +471,14 @@ def write_run_outputs(
         for name, m in results.items():
             best_val = m.get("best_val_accuracy", m.get("exit_val_acc"))
             lines.append(
-                f"| {name} | {m.get('mode', m.get('variant', '-'))} | {m.get('bits', '-')} | "
-                f"{cell(m.get('accuracy'), '.4f')} | {cell(best_val, '.4f')} | "
-                f"{cell(m.get('epoch_seconds'), '.3f')} | {cell(m.get('train_seconds'), '.1f')} | "
+                f"| {name}{' (reused)' if name in taken else ''} | {m.get('mode', m.get('variant', '-'))} | "
+                f"{m.get('bits', '-')} | {cell(m.get('accuracy'), '.4f')} | {cell(best_val, '.4f')} | "
+                f"{cell(m.get('epoch_seconds'), '.3f')} | {cell(training_seconds(m), '.1f')} | "
                 f"{_human(m['cache_bytes']) if _number(m.get('cache_bytes')) else '-'} |"
             )
-    lines += [""] + [f"![{p}]({p})" for p in plots] + ["", summary_line, ""]
+        if taken & set(results):
+            lines += ["", "(reused): trained by an earlier run with the same fingerprint and taken from the "
+                      "store; its accuracy, times and curves are that training's."]
+    lines += [""] + [f"![{title}]({name})" for name, title in plots] + ["", summary_line, ""]
     (output / "report.md").write_text("\n".join(lines))
     return summary
