@@ -167,24 +167,50 @@ def evaluate(loaded: LoadedModel, data: Labelled) -> Evaluation:
     return Evaluation(data.source, list(loaded.class_names), confusion, list(data.skipped))
 
 
-def plot_confusion(result: Evaluation, path: Path) -> Path:
-    """The confusion matrix as a PNG, rows normalized (each true class sums to 1), counts written in."""
+# Class names longer than this are shortened on the plot's axes (the text output and JSON keep them whole).
+LABEL_CHARS = 14
+
+
+def tick_labels(names: Sequence[str]) -> list[str]:
+    """Axis labels for the classes: long names cut to ``LABEL_CHARS`` with an ellipsis, kept distinct."""
+    labels: list[str] = []
+    for name in names:
+        label = name if len(name) <= LABEL_CHARS else name[: LABEL_CHARS - 1] + "\u2026"
+        if label in labels:  # two names with the same start: number them rather than print the same label
+            label = f"{label[: LABEL_CHARS - 3]}\u2026{len(labels)}"
+        labels.append(label)
+    return labels
+
+
+def confusion_figure(result: Evaluation) -> Any:
+    """The confusion-matrix figure: rows normalized, counts written in, class names laid out by count.
+
+    Names along the x axis are level while they fit beside each other, slanted at 45 degrees when
+    they do not, upright at 90 when the classes are many; the font shrinks with the count, so no two
+    names overlap (tests/deploy/test_confusion_plot.py measures their boxes).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     k = len(result.class_names)
     counts = result.confusion
     rates = counts / np.maximum(1, counts.sum(axis=1, keepdims=True))
-    size = min(12.0, 2.5 + 0.45 * k)
+    labels = tick_labels(result.class_names)
+    longest = max((len(label) for label in labels), default=1)
+    fontsize = 10 if k <= 10 else 8 if k <= 20 else 6 if k <= 40 else 4
+    size = min(14.0, 3.0 + 0.45 * k + 0.06 * longest)
     fig = Figure(figsize=(size, size))
     FigureCanvasAgg(fig)  # the Agg canvas, without choosing a process-wide backend
     ax = fig.add_subplot()
     image = ax.imshow(rates, vmin=0, vmax=1, cmap="Blues")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
-    crowded = k > 6
-    ax.set_xticks(range(k), result.class_names, rotation=45 if crowded else 0,
-                  ha="right" if crowded else "center")
-    ax.set_yticks(range(k), result.class_names)
+    # The width one class has on the x axis, in characters of the chosen font (about 0.6 em each).
+    per_class = (size * 0.7 / max(1, k)) * 72 / (0.6 * fontsize)
+    rotation = 0 if longest <= per_class * 0.9 else 45 if k <= 20 else 90
+    ax.set_xticks(range(k), labels, rotation=rotation, fontsize=fontsize,
+                  ha={0: "center", 45: "right", 90: "center"}[rotation],
+                  rotation_mode="anchor" if rotation == 45 else "default")
+    ax.set_yticks(range(k), labels, fontsize=fontsize)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(f"accuracy {result.accuracy:.3f} on {result.samples} images")
@@ -192,11 +218,17 @@ def plot_confusion(result: Evaluation, path: Path) -> Path:
         for i in range(k):
             for j in range(k):
                 if counts[i, j]:
-                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=8,
+                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=min(8, fontsize),
                             color="white" if rates[i, j] > 0.5 else "black")
     fig.tight_layout()
+    return fig
+
+
+def plot_confusion(result: Evaluation, path: Path) -> Path:
+    """The confusion matrix (:func:`confusion_figure`) as a PNG at ``path``."""
+    fig = confusion_figure(result)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Title": f"confusion matrix: {result.source}"})
     return path
 
 
