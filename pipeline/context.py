@@ -24,13 +24,17 @@ if TYPE_CHECKING:
 
 
 class CacheExecutor(Protocol):
-    """Builds a cache entry outside this process (the recipe's ``executor``), chosen by the runner.
+    """Builds a cache entry outside this process (the recipe's ``executor``), chosen by the caller.
 
-    Stages see only this protocol, so no stage imports an executor.
+    Stages see only this protocol, so no stage imports an executor. An executor is made for one
+    recipe (``pipeline.executors.executor_for``) and re-creates its run elsewhere from it: the stage
+    names itself, its input, the input's spec and its own fingerprint, which the re-created run must
+    reproduce.
     """
 
     def build_cache(
-        self, ctx: RunContext, *, name: str, input_name: str, spec: Spec, staging: Path, layout: Any
+        self, ctx: RunContext, *, name: str, fingerprint: str, input_name: str, spec: Spec, staging: Path,
+        layout: Any,
     ) -> dict[str, Any]: ...
 
 
@@ -45,14 +49,13 @@ class RunContext:
     recipe_name: str = "recipe"
     recipe_path: str | None = None
     progress: Progress = field(default_factory=lambda: Progress(quiet=True))
-    # stage name -> fingerprint, filled by the runner so stages can record lineage
-    fingerprints: dict[str, str] = field(default_factory=dict)
-    # The recipe being run, for stages that hand work to other processes: a Dask cache build
-    # re-creates the upstream graph on each worker from it (and reads recipe.executor). None:
-    # run everything in this process.
+    # Read by nothing any more: stages are given what they may know of the run (pipeline.stage:
+    # StageInputs, StageCall) and an executor holds the recipe it was made for. Accepted while
+    # callers still pass it.
     recipe: Recipe | None = None
-    # Where cache entries are built when not in this process (None: here). Set by the runner
-    # from recipe.executor; stages call it instead of importing an executor.
+    # Where cache entries are built when not in this process (None: here). The caller makes it
+    # from recipe.executor (pipeline.executors.executor_for); stages call it instead of importing
+    # an executor.
     executor: CacheExecutor | None = None
 
     torch_device: torch.device = field(init=False)

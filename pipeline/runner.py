@@ -7,8 +7,10 @@ that becomes visible only when committed. Stream stages are lazy: they do their
 work when a downstream cache or trainer pulls batches.
 
 Every stage is resolved once, here, before any work: its output spec, fingerprint and
-lineage go to its ``run``/``build``/``load`` as a ``StageCall``. Fusions of adjacent stages
-(``pipeline.fusion``) are applied here too, so no stage reaches into another.
+lineage go to its ``run``/``build``/``load`` as a ``StageCall``, with its parents' fingerprints
+and what the graph says about where its data comes from (``Upstream``, found here: no stage
+reads the recipe or another stage's fingerprint from the run context). Fusions of adjacent
+stages (``pipeline.fusion``) are applied here too, so no stage reaches into another.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from .errors import DataError, MissingPathError, ModelError, StageError, working
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
 from .fusion import apply_fusion, plan_fusions
 from .graph import Graph
-from .spec import DATASET, RESULT, STREAM, Spec
-from .stage import Lineage, Stage, StageCall
+from .ops.cache_write import stream_batch_period
+from .spec import DATASET, MODEL, RESULT, STREAM, Spec
+from .stage import Lineage, Stage, StageCall, StageInputs, Upstream
 from .stream import Stream
 
 if TYPE_CHECKING:
@@ -91,13 +94,14 @@ class Runner:
             if name in self.graph.needed:
                 with working_on(name):
                     self._resolve_stage(name)
-        self.ctx.fingerprints.update(self.fingerprints)
 
     def _resolve_stage(self, name: str) -> None:
         """Resolve ``name``'s spec (materializing a dataset), fingerprint and lineage from its parents'."""
         stage = self.recipe.stages[name]
         refs = self.graph.edges[name]
         in_specs = {field: self.specs[parent] for field, parent in refs.items()}
+        parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
+        upstream = self._upstream(refs)
         seconds = 0.0
         try:
             if stage.kind == DATASET:
@@ -105,15 +109,15 @@ class Runner:
                 # materialized here: splits need labels, plans need sizes.
                 start = time.perf_counter()
                 inputs = {f: self._outputs[p] for f, p in refs.items()}
-                value = stage.run(self.ctx, inputs, StageCall(name, inputs=in_specs))
+                call = StageCall(name, inputs=in_specs, parents=parents, upstream=upstream)
+                value = stage.run(self.ctx, inputs, call)
                 self._outputs[name] = value
                 self.specs[name] = value.spec
                 seconds = time.perf_counter() - start
             else:
-                self.specs[name] = stage.resolve(in_specs, self.ctx)
+                self.specs[name] = stage.resolve(StageInputs(in_specs, parents), self.ctx)
         except (StageError, DataError, ModelError, MissingPathError) as exc:
             raise type(exc)(f"{self.recipe.source}: stages.{name} ({stage.type_name}): {exc}") from None
-        parents = {field: self.fingerprints[parent] for field, parent in refs.items()}
         try:
             identity = (
                 self._outputs[name].identity() if stage.kind == DATASET else stage.identity(self.ctx)
@@ -122,7 +126,6 @@ class Runner:
         except UnhashableInput as exc:
             fp = uncacheable(name, str(exc))
         self.fingerprints[name] = fp
-        self.ctx.fingerprints[name] = fp
         lineage = Lineage(
             recipe=self.recipe.name,
             recipe_file=self.recipe.source,
@@ -133,9 +136,37 @@ class Runner:
             fingerprint=fp,
             numerics=self._numerics(stage),
         )
-        self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage)
+        self.calls[name] = StageCall(name, self.specs[name], in_specs, fp, lineage, parents, upstream)
         if stage.kind == DATASET:
             self.reports[name] = StageReport(name, stage.type_name, stage.kind, fp, "computed", seconds)
+
+    def _upstream(self, refs: dict[str, str]) -> dict[str, Upstream]:
+        """What the graph says about where each data input of a stage comes from (``Upstream``)."""
+        stages = self.recipe.stages
+        return {field: self._upstream_of(parent) for field, parent in refs.items()
+                if stages[parent].kind != MODEL}
+
+    def _upstream_of(self, start: str) -> Upstream:
+        """Walk up from ``start`` through every input but a model's, nearest stage first."""
+        stages = self.recipe.stages
+        queue, seen = [start], set()
+        preprocessing = dataset = None
+        rule = "fail"
+        while queue:
+            current = queue.pop(0)
+            if current in seen or current not in stages:
+                continue
+            seen.add(current)
+            stage = stages[current]
+            if preprocessing is None:
+                preprocessing = stage.preprocessing()
+            if dataset is None and stage.kind == DATASET:
+                dataset = current
+            rule = stage.bad_sample_rule() or rule
+            queue += [ref for ref in stage.input_refs().values()
+                      if ref in stages and stages[ref].kind != MODEL]
+        period = stream_batch_period(stages, start)
+        return Upstream(preprocessing, dataset, rule, period)
 
     def _numerics_key(self, stage: Stage) -> str | None:
         """What keeps a training stage's thread-dependent output (run.deterministic: false) apart."""

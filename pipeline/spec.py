@@ -122,15 +122,56 @@ class Quantization:
 
 
 @dataclass(frozen=True)
+class Derivation:
+    """Where a derived cut's features come from: a frozen forward run over stored features at a lower cut
+    (``pipeline.stages.derived_cut``), recorded in the derived stream's spec (so in its entry's lineage)."""
+
+    stream: str  # the stage whose stored features were read
+    fingerprint: str | None  # that stage's fingerprint
+    train_last_blocks: int  # the stored cut
+    blocks: tuple[int, int]  # [first, stop) of the backbone's blocks run on them
+    # split -> bits of the splits the source was coded below float32 (lossy_source: true); None: none was
+    lossy_splits: Mapping[str, int] | None = None
+
+    @property
+    def ran_blocks(self) -> bool:
+        """Whether any block ran (the deepest cut of a cut sweep reads its own stored features)."""
+        first, stop = self.blocks
+        return stop > first
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"stream": self.stream, "fingerprint": self.fingerprint,
+                                "train_last_blocks": self.train_last_blocks, "blocks": list(self.blocks)}
+        if self.lossy_splits:  # only then: a lossless derivation keeps its stored meta unchanged
+            meta["lossy_splits"] = dict(sorted(self.lossy_splits.items()))
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Derivation:
+        first, stop = (int(b) for b in meta["blocks"])
+        lossy = meta.get("lossy_splits")
+        fingerprint = meta.get("fingerprint")
+        return cls(str(meta["stream"]), None if fingerprint is None else str(fingerprint),
+                   int(meta["train_last_blocks"]), (first, stop),
+                   None if lossy is None else {str(s): int(b) for s, b in lossy.items()})
+
+
+# Meta keys of how a stream is coded: its quantization, and the bits a decoded stream was stored at.
+_QUANTIZATION_KEYS = ("bits", "quantile_k", "feature_shape")
+_CODED_BITS = "coded_bits"
+
+
+@dataclass(frozen=True)
 class Spec:
     """What a stage produces.
 
     ``splits`` maps split name to its spec (for datasets, fields may be empty because
     raw images can differ in size). ``meta`` is the stored form of the facts downstream
-    stages check; stages read them typed, through ``model``, ``cut`` and ``quantization``,
-    and set them through ``model_spec``, ``with_cut`` and ``with_quantization``. The typed
-    values serialise under the same ``meta`` keys as ever, since a spec's JSON is part of
-    every stored entry.
+    stages check; stages read them typed, through ``model``, ``cut``, ``quantization``,
+    ``coded_bits`` and ``derivation``, and set them through ``model_spec``, ``with_cut``,
+    ``with_quantization``, ``with_coded_bits``, ``with_derivation`` (and drop them through
+    ``without_coding``). The typed values serialise under the same ``meta`` keys as ever,
+    since a spec's JSON is part of every stored entry.
     """
 
     kind: str
@@ -168,6 +209,19 @@ class Spec:
         """How the stream's training splits are coded; None for a stream that was never quantized."""
         return Quantization.from_meta(self.meta)
 
+    @property
+    def coded_bits(self) -> dict[str, int] | None:
+        """Split -> bits a decoded stream's values were stored at before they became float32 maps
+        (dequantize); None for a stream that was never decoded from a coded one."""
+        coded = self.meta.get(_CODED_BITS)
+        return None if coded is None else {str(name): int(bits) for name, bits in coded.items()}
+
+    @property
+    def derivation(self) -> Derivation | None:
+        """Where a derived cut's features come from; None for features computed from images."""
+        derived = self.meta.get("derived_from")
+        return None if derived is None else Derivation.from_meta(derived)
+
     def feature_grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """(prefix tokens, H, W) that feature augmentation moves in maps of ``shape`` (C, H, W): the
         cut's token grid where the maps are transformer tokens, else the maps' own H and W."""
@@ -201,6 +255,20 @@ class Spec:
 
     def with_quantization(self, splits: Mapping[str, SplitSpec], q: Quantization) -> Spec:
         return Spec(self.kind, self.num_classes, dict(splits), {**self.meta, **q.to_meta()})
+
+    def with_coded_bits(self, coded: Mapping[str, int]) -> Spec:
+        return Spec(self.kind, self.num_classes, self.splits, {**self.meta, _CODED_BITS: dict(coded)})
+
+    def with_derivation(self, derivation: Derivation) -> Spec:
+        meta = {**self.meta, "derived_from": derivation.to_meta()}
+        return Spec(self.kind, self.num_classes, self.splits, meta)
+
+    def without_coding(self, *, quantization: bool = True) -> Spec:
+        """The same stream saying nothing of how it was coded: neither ``coded_bits`` nor (unless
+        ``quantization`` is false) its ``quantization``. The other facts keep their order."""
+        drop = (_CODED_BITS, *_QUANTIZATION_KEYS) if quantization else (_CODED_BITS,)
+        return Spec(self.kind, self.num_classes, self.splits,
+                    {key: value for key, value in self.meta.items() if key not in drop})
 
 
 # The JSON form of a spec is part of every stored entry's attributes (an on-disk format):

@@ -10,17 +10,28 @@ Stages whose output is worth keeping (``cacheable``) split ``run`` into ``build`
 (write into a staging directory of the store) and ``load`` (open a committed entry),
 so the runner can reuse an entry instead of recomputing it.
 
-The runner resolves every stage once, before any work, and hands the result to the work
-methods as a ``StageCall``: the stage's name, its resolved output spec, its inputs' specs,
-its fingerprint and its lineage. A stage never resolves itself again, and never looks at
-another stage's output beyond the value and spec it is given.
+What a stage may know of the rest of the run, it is given; it never reads the recipe or other
+stages' fingerprints from the run context:
+
+- ``resolve`` gets its inputs as ``StageInputs``: their specs by config field and the
+  fingerprints of the stages they come from (``parents``: a feature stream records which
+  backbone made it, a trainer checks it trains that backbone's top);
+- the work methods get a ``StageCall``, made once by the runner after resolving every stage:
+  the stage's name, its resolved output spec, its inputs' specs, its own and its parents'
+  fingerprints, its lineage, and ``upstream``: what the recipe's graph says about each data
+  input (the decode preprocessing and the dataset it went through, the batch period of its
+  stream), found by the engine from the graph so that no stage walks it.
+
+A stage never resolves itself again, and never looks at another stage's output beyond the
+value and spec it is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .recipe_model import RecipeModel
@@ -68,12 +79,78 @@ class Lineage:
                 "meta": dict(spec.meta)}
 
 
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+class StageInputs(Mapping[str, Spec]):
+    """What ``resolve`` is given: its inputs' specs by config field (``inputs["model"]``), and
+    ``parents``, the fingerprints of the stages they come from by the same fields.
+
+    The runner resolves stages in graph order, so every parent's fingerprint is known when a
+    stage resolves. A stage that is resolved outside a run (a test) and reads no fingerprint can
+    be given its specs alone.
+    """
+
+    __slots__ = ("_specs", "parents")
+
+    def __init__(self, specs: Mapping[str, Spec], parents: Mapping[str, str] | None = None) -> None:
+        self._specs: Mapping[str, Spec] = _frozen(specs)
+        self.parents: Mapping[str, str] = _frozen(parents)
+
+    def __getitem__(self, field: str) -> Spec:
+        return self._specs[field]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __repr__(self) -> str:
+        return f"StageInputs({dict(self._specs)!r}, parents={dict(self.parents)!r})"
+
+    def parent(self, field: str) -> str | None:
+        """The fingerprint of the stage ``field`` names; None where it was not given."""
+        return self.parents.get(field)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How images became the network's input: RGB at ``resolution``, normalized by mean and std (decode's
+    settings). A model file records it, so an image is prepared as it was in training."""
+
+    resolution: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What the recipe's graph says about where one data input comes from, found by the engine.
+
+    It walks up from the input through every input but a model's, nearest stage first:
+    ``preprocessing`` is that of the first decode it meets, ``dataset`` the first dataset stage,
+    ``on_bad_sample`` the rule of the image dataset(s) it meets (``"fail"`` where none says
+    otherwise). ``batch_period``: samples after which the input stream is back on a batch boundary
+    (the least common multiple of the batch sizes of the stream stages up to it), so a resumed or
+    partitioned build forms the batches an uninterrupted one forms.
+    """
+
+    preprocessing: Preprocessing | None = None
+    dataset: str | None = None
+    on_bad_sample: str = "fail"
+    batch_period: int = 1
+
+
 @dataclass(frozen=True)
 class StageCall:
     """One stage's place in a resolved run, handed to ``run``/``build``/``load``.
 
     ``spec`` is the output spec the runner resolved (a dataset stage runs while its spec is
     being established, so it gets an empty DATASET spec and no fingerprint or lineage).
+    ``parents``: input field -> fingerprint of the stage it reads. ``upstream``: input field ->
+    where that input comes from (model inputs have none).
     """
 
     name: str
@@ -81,6 +158,12 @@ class StageCall:
     inputs: Mapping[str, Spec] = field(default_factory=dict)
     fingerprint: str = ""
     lineage: Lineage | None = None
+    parents: Mapping[str, str] = field(default_factory=dict)
+    upstream: Mapping[str, Upstream] = field(default_factory=dict)
+
+    def upstream_of(self, field: str) -> Upstream:
+        """Where input ``field`` comes from; nothing known (the defaults) where the runner did not say."""
+        return self.upstream.get(field) or Upstream()
 
 
 class Stage(RecipeModel):
@@ -108,8 +191,9 @@ class Stage(RecipeModel):
                 refs[name] = value
         return refs
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
-        """Output spec from input specs; raise StageError on anything inconsistent."""
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
+        """Output spec from input specs (and their parents' fingerprints); raise StageError on anything
+        inconsistent."""
         raise NotImplementedError
 
     def identity(self, ctx: RunContext) -> str | None:
@@ -118,6 +202,16 @@ class Stage(RecipeModel):
         Raise ``UnhashableInput`` when it cannot be established: the runner then
         recomputes the stage and warns, rather than risking a wrong cache hit.
         """
+        return None
+
+    # --- what the engine reads of a stage when it walks the graph for a downstream stage (Upstream)
+    def preprocessing(self) -> Preprocessing | None:
+        """How this stage turns images into a network's input (decode); None for any other stage."""
+        return None
+
+    def bad_sample_rule(self) -> str | None:
+        """What this dataset does with an unreadable image (image_folder's ``on_bad_sample``); None: not
+        a dataset of image files."""
         return None
 
     # --- work -------------------------------------------------------------------

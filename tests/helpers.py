@@ -70,6 +70,6 @@ def _default_sigint() -> None:
 
 def stage_call(stage: Any, name: str, ctx: Any = None, **inputs: Any) -> Any:
     """The ``StageCall`` the runner would hand ``stage`` named ``name`` for input specs ``inputs``."""
-    from pipeline.stage import StageCall
+    from pipeline.stage import StageCall, StageInputs
 
-    return StageCall(name, stage.resolve(inputs, ctx), inputs)
+    return StageCall(name, stage.resolve(StageInputs(inputs), ctx), inputs)

@@ -247,10 +247,10 @@ class _Fixed(Stream):
 
 
 def _call(stage: FeatureAugment, batch: Batch):  # type: ignore[no-untyped-def]
-    from pipeline.stage import StageCall
+    from pipeline.stage import StageCall, StageInputs
 
     spec = _Fixed(batch).spec
-    return StageCall("augmented", stage.resolve({"input": spec}, None), {"input": spec})
+    return StageCall("augmented", stage.resolve(StageInputs({"input": spec}), None), {"input": spec})
 
 
 # --------------------------------------------------------------------------------------- leases

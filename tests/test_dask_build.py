@@ -89,7 +89,7 @@ def dask_executor(address: str, **extra: Any) -> dict[str, Any]:
 def run(recipe: Recipe, store: Path) -> tuple[Runner, str]:
     """Run ``recipe`` into ``store`` in this process; (runner, the cache stage's fingerprint)."""
     runner = Runner(recipe, RunContext(
-        catalog=Catalog(store), recipe_name=recipe.name, recipe=recipe, executor=executor_for(recipe)
+        catalog=Catalog(store), recipe_name=recipe.name, executor=executor_for(recipe)
     ))
     runner.run()
     return runner, runner.fingerprints["cache"]
@@ -288,12 +288,12 @@ def test_executor_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(
         StageError, match="stages.cache .*format: hdf5 cannot be built with executor.type: dask"
     ):
-        ctx = RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe, executor=executor_for(recipe))
+        ctx = RunContext(catalog=Catalog(tmp_path / "store"), executor=executor_for(recipe))
         Runner(recipe, ctx)
     # A distributed recipe needs the executor its caller picked; the runner never imports one.
     recipe = recipe_from_dict(recipe_dict({"type": "dask", "workers": 2}))
     with pytest.raises(StageError, match="executor.type is 'dask' but the run context has no executor"):
-        Runner(recipe, RunContext(catalog=Catalog(tmp_path / "store"), recipe=recipe))
+        Runner(recipe, RunContext(catalog=Catalog(tmp_path / "store")))
 
 
 def test_partitions_cover_every_chunk_once() -> None:

@@ -51,7 +51,7 @@ def recipe_dict(executor: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def build(data: dict[str, Any], store: Path) -> Runner:
     recipe = recipe_from_dict(data)
-    runner = Runner(recipe, RunContext(catalog=Catalog(store), recipe_name=recipe.name, recipe=recipe,
+    runner = Runner(recipe, RunContext(catalog=Catalog(store), recipe_name=recipe.name,
                                        executor=executor_for(recipe)))
     runner.run()
     return runner

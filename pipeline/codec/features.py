@@ -65,8 +65,7 @@ def coded_spec(data: Spec, bits_for: Callable[[str], int], bits: int, k: float, 
         splits[name] = SplitSpec(s.num_samples, fields)
     feature_shape = next(iter(data.splits.values())).fields["x"].shape
     # A stream coded again (an n-bit cache made from a dequantized float one) says how it is coded now.
-    meta = {key: value for key, value in data.meta.items() if key != "coded_bits"}
-    data = Spec(data.kind, data.num_classes, data.splits, meta)
+    data = data.without_coding(quantization=False)
     return data.with_quantization(splits, Quantization(bits, k, feature_shape))
 
 
@@ -85,7 +84,7 @@ def decoded_spec(data: Spec) -> Spec:
         coded_bits[name] = q.bits if x is None else 8 * FieldSpec((), x.dtype).nbytes()
     # Which splits were rounded on the way (a derived cut refuses lossy sources): the float32 maps
     # made here no longer say so.
-    return data.as_stream(splits, coded_bits=coded_bits)
+    return data.as_stream(splits).with_coded_bits(coded_bits)
 
 
 def encoded(parent: Stream, spec: Spec, bits_for: Callable[[str], int], k: float) -> MapStream:

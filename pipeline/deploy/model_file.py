@@ -30,7 +30,6 @@ from ..data.stream import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import MissingPathError, ModelError
 from ..lazy import lazy_module
 from ..models.weights import load_weights, not_a_torch_file, save_weights, state_dict_hash
-from ..spec import DATASET, MODEL
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from ..data import image_folder
     from ..models import zoo
     from ..models.arch import ArchConfig
-    from ..stage import StageCall
+    from ..stage import Preprocessing, StageCall
     from . import networks
 else:
     torch = lazy_module("torch")
@@ -139,37 +138,12 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------------------- writing
-@dataclass(frozen=True)
-class _Provenance:
-    preprocess: Preprocess | None  # from the decode stage the data went through, when the recipe says
-    dataset: str | None  # the dataset stage the model learned from
-    on_bad_sample: str  # that dataset's rule for unreadable images (image_folder), else "fail"
-
-
-def _provenance(ctx: RunContext, name: str, data_field: str) -> _Provenance:
-    """Walk the recipe upwards from the stage's data input (never into a model input)."""
-    recipe = ctx.recipe
-    if recipe is None:
-        return _Provenance(None, None, "fail")
-    stages = recipe.stages
-    start = stages[name].input_refs().get(data_field)
-    queue, seen = ([start] if start else []), set()
-    decode = dataset = None
-    rule = "fail"
-    while queue:
-        current = queue.pop(0)
-        if current in seen or current not in stages:
-            continue
-        seen.add(current)
-        stage = stages[current]
-        if decode is None and stage.type_name == "decode":
-            decode = Preprocess(int(stage.resolution), tuple(stage.mean), tuple(stage.std))  # type: ignore[attr-defined]
-        if dataset is None and stage.kind == DATASET:
-            dataset = current
-        if stage.type_name == "image_folder":
-            rule = str(stage.on_bad_sample)  # type: ignore[attr-defined]
-        queue += [ref for ref in stage.input_refs().values() if ref in stages and stages[ref].kind != MODEL]
-    return _Provenance(decode, dataset, rule)
+def _preprocess(found: Preprocessing | None) -> Preprocess | None:
+    """The decode preprocessing the data went through (``StageCall.upstream``), as a model file records it."""
+    if found is None:
+        return None
+    mean, std = found.mean, found.std
+    return Preprocess(int(found.resolution), (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]))
 
 
 def _custom_modules(module: nn.Module) -> dict[str, str]:
@@ -200,8 +174,10 @@ def _save(ctx: RunContext, call: StageCall, module: nn.Module | Mapping[str, tor
     out_dir = directory if directory is not None else ctx.stage_dir(call.name)
     if out_dir is None:
         return None
-    found = _provenance(ctx, call.name, data_field)
-    pre = preprocess or found.preprocess or Preprocess(resolution)
+    # Where the data came from (the decode it went through, the dataset and its bad-image rule), as the
+    # engine found it in the recipe's graph.
+    found = call.upstream_of(data_field)
+    pre = preprocess or _preprocess(found.preprocessing) or Preprocess(resolution)
     lineage = call.lineage
     # A plain state dict is a backbone's: torchvision's layers only, no toolkit layer to record.
     modules = _custom_modules(module) if isinstance(module, nn.Module) else {}

@@ -7,7 +7,7 @@ chunk-aligned ``partitions``, and every worker re-creates the upstream stream fr
 recipe and writes its own chunks in place (``worker``). Only the client commits the entry.
 
 Stages never import this package: whoever makes the run context (the CLI) hands them a
-:class:`~pipeline.context.CacheExecutor` (:func:`executor_for`) in ``ctx.executor``.
+:class:`~pipeline.context.CacheExecutor` made for the recipe (:func:`executor_for`) in ``ctx.executor``.
 """
 
 from __future__ import annotations
@@ -29,22 +29,29 @@ __all__ = ["DaskCacheExecutor", "ExecutorError", "WorkerStoreError", "executor_f
 
 
 class DaskCacheExecutor:
-    """Builds cache entries on the recipe's Dask cluster (``pipeline.executors.dask_build.build_on_dask``).
+    """Builds cache entries of ``recipe`` on its Dask cluster (``dask_build.build_on_dask``).
 
+    Workers re-create the run from ``recipe``, which is why an executor is made for one recipe.
     Dask is imported when a build starts, so a recipe that names it is checked and resolved
     without it.
     """
 
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+
     def build_cache(
-        self, ctx: RunContext, *, name: str, input_name: str, spec: Spec, staging: Path, layout: EntryLayout
+        self, ctx: RunContext, *, name: str, fingerprint: str, input_name: str, spec: Spec, staging: Path,
+        layout: EntryLayout,
     ) -> dict[str, Any]:
         from .dask_build import build_on_dask
 
-        return build_on_dask(ctx, name=name, input_name=input_name, spec=spec, staging=staging, layout=layout)
+        return build_on_dask(ctx, self.recipe, name=name, fingerprint=fingerprint, input_name=input_name,
+                             spec=spec, staging=staging, layout=layout)
 
 
 def executor_for(recipe: Recipe) -> CacheExecutor | None:
-    """The executor the recipe's ``executor`` section names; None: everything runs in this process."""
+    """The executor the recipe's ``executor`` section names, for that recipe; None: everything runs
+    in this process."""
     if recipe.executor.type == "dask":
-        return DaskCacheExecutor()
+        return DaskCacheExecutor(recipe)
     return None

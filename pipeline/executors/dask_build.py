@@ -165,19 +165,21 @@ def _failure(exc: BaseException, part: Partition, retries: int) -> BaseException
 
 def build_on_dask(
     ctx: Any,
+    recipe: Recipe,
     *,
     name: str,
+    fingerprint: str,
     input_name: str,
     spec: Spec,
     staging: Path,
     layout: EntryLayout,
 ) -> dict[str, Any]:
-    """Build stage ``name``'s cache entry into ``staging`` on the recipe's Dask cluster.
+    """Build the cache entry ``fingerprint`` of ``recipe``'s stage ``name`` into ``staging`` on Dask.
 
     ``spec`` is the input stream's spec as the client resolved it: the stream itself is
-    never pulled here.
+    never pulled here. Each worker re-creates the run from ``recipe`` and checks that it
+    computes ``fingerprint`` for the stage.
     """
-    recipe: Recipe = ctx.recipe
     executor = recipe.executor
 
     def log(message: str) -> None:
@@ -194,7 +196,7 @@ def build_on_dask(
         store=str(Path(ctx.catalog.root).resolve()),
         stage=name,
         input=input_name,
-        fingerprint=ctx.fingerprints[name],
+        fingerprint=fingerprint,
         spec=canonical_json(spec_to_json(spec)),
         zarr_dir=str(zarr_dir.resolve()),
         torch_threads=executor.torch_threads,

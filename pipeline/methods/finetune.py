@@ -16,7 +16,7 @@ from images. Each trainer logs its training-memory footprint (``pipeline.models.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -30,7 +30,7 @@ from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structu
 from ..models.weights import load_weights
 from ..ops.batching import rechunk, xy
 from ..spec import MODEL, RESULT, STREAM, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from ..stream import Stream
 from . import build_record
 from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check_method, method_shorthand
@@ -103,8 +103,12 @@ class Finetune(Stage):
             raise StageError(f"mode {self.mode!r} reads from `{data}:`, which is not set")
         return {"model": self.model, data: value}
 
-    def _cut(self, inputs: dict[str, Spec], ctx: RunContext) -> int:
-        """The number of top blocks to train: the features' typed ``Cut`` (two_stage), or the config."""
+    def _cut(self, inputs: Mapping[str, Spec], model_fingerprint: str | None = None) -> int:
+        """The number of top blocks to train: the features' typed ``Cut`` (two_stage), or the config.
+
+        ``model_fingerprint``: the model input's, which the features must have been made with
+        (checked when resolving; None: not checked again).
+        """
         model = inputs["model"]
         if self.mode == "two_stage":
             cut = inputs["features"].cut
@@ -114,7 +118,7 @@ class Finetune(Stage):
             if self.train_last_blocks is not None and self.train_last_blocks != cut.train_last_blocks:
                 raise StageError(f"train_last_blocks={self.train_last_blocks} but `{self.features}` was cut "
                                  f"at train_last_blocks={cut.train_last_blocks}")
-            if cut.model != ctx.fingerprints.get(self.model):
+            if model_fingerprint is not None and cut.model != model_fingerprint:
                 raise StageError(f"`{self.features}` was computed with a different model than `{self.model}`")
             n = cut.train_last_blocks
         else:
@@ -124,7 +128,7 @@ class Finetune(Stage):
         check_cut(n, model)
         return n
 
-    def _top_input_shape(self, inputs: dict[str, Spec], net: BlockNet, n: int) -> tuple[int, int, int]:
+    def _top_input_shape(self, inputs: Mapping[str, Spec], net: BlockNet, n: int) -> tuple[int, int, int]:
         """(C, H, W) at the cut: the cached features' shape, or the bottom's output for the images."""
         if self.mode == "two_stage":
             cut = inputs["features"].cut
@@ -168,7 +172,7 @@ class Finetune(Stage):
         does not depend on their values). Used by ``pipeline.memory_report``."""
         refs = self.input_refs()
         inputs = {field: specs[ref] for field, ref in refs.items()}
-        n = self._cut(inputs, ctx)
+        n = self._cut(inputs)  # resolving checked the features' model
         data = inputs["features" if self.mode == "two_stage" else "images"]
         net = seeded_net(ArchConfig.of(inputs["model"]), self.seed)
         shape = self._top_input_shape(inputs, net, n)
@@ -178,8 +182,8 @@ class Finetune(Stage):
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
-        n = self._cut(inputs, ctx)
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
+        n = self._cut(inputs, inputs.parent("model"))
         if self.method != DEFAULT_METHOD:
             # check_method only reads the blocks' structure
             blocks = list(structure(ArchConfig.of(inputs["model"])).blocks)
@@ -239,7 +243,7 @@ class Finetune(Stage):
         model_value: ModelValue = inputs["model"]
         stream: Stream = inputs["features" if self.mode == "two_stage" else "images"]
         specs = dict(call.inputs)
-        n = self._cut(specs, ctx)
+        n = self._cut(specs)  # resolving checked the features' model
         net = model_value.build(seed=self.seed)  # as if seeded, then constructed
         shape = self._top_input_shape(specs, net, n)
         bottom, top, adapted = self.prepare(net, n, stream.spec.num_classes, shape)

@@ -22,7 +22,7 @@ from ..models.arch import ArchConfig, ModelValue
 from ..models.weights import load_weights, save_weights
 from ..ops.batching import rechunk, xy
 from ..spec import DATASET, MODEL, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from .amp import check_precision
 from .graphed import check_cuda_graph
 from .trainer import TrainConfig, train
@@ -68,7 +68,7 @@ class Pretrain(Stage):
     def _arch(self, num_classes: int) -> ArchConfig:
         return ArchConfig(self.arch, num_classes, self.width_mult, self.small_input, self.resolution)
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         data = inputs["input"]
         data.split("train", stage=self.type_name)
         check_precision(self.train.precision, ctx.torch_device)

@@ -10,19 +10,13 @@ from pydantic import Field, model_validator
 from ..device import device_description, is_out_of_memory
 from ..errors import DeviceMemoryError, StageError
 from ..fingerprint import is_cacheable
-from ..ops.cache import StoredStream, cache_layout, stream_batch_period, write_stream
+from ..ops.cache import StoredStream, cache_layout, write_stream
 from ..spec import STREAM, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 
 # Lossless codecs each backend has; the first is its default.
 COMPRESSORS = {"zarr": ("zstd", "blosc", "none"), "hdf5": ("gzip", "lzf", "none")}
 LEVELS = {"zstd": (1, 22), "blosc": (0, 9), "gzip": (0, 9)}
-
-
-def _executor(ctx: Any) -> str:
-    """The recipe's executor type; "local" when the context carries no recipe (tests, library use)."""
-    recipe = getattr(ctx, "recipe", None)
-    return "local" if recipe is None else recipe.executor.type
 
 
 class Cache(Stage):
@@ -83,8 +77,9 @@ class Cache(Stage):
     def codec(self) -> str:
         return self.compressor or COMPRESSORS[self.format][0]
 
-    def resolve(self, inputs: dict[str, Spec], ctx: Any) -> Spec:
-        if self.format == "hdf5" and _executor(ctx) == "dask":
+    def resolve(self, inputs: StageInputs, ctx: Any) -> Spec:
+        # An executor (the recipe's executor.type: dask) builds an entry in several processes at once.
+        if self.format == "hdf5" and getattr(ctx, "executor", None) is not None:
             raise StageError(
                 "format: hdf5 cannot be built with executor.type: dask (one HDF5 file cannot be written by "
                 "several processes); use format: zarr or executor.type: local"
@@ -104,7 +99,7 @@ class Cache(Stage):
         lineage = call.lineage.entry_attrs(stream.spec)
         executor = getattr(ctx, "executor", None)
         if executor is not None:
-            if is_cacheable(ctx.fingerprints.get(name, "")):
+            if is_cacheable(call.fingerprint):
                 # Each worker computes and writes its own chunks; the input stream is never pulled here.
                 layout = cache_layout(
                     stream.spec,
@@ -114,7 +109,8 @@ class Cache(Stage):
                     attrs={"lineage": lineage},
                 )
                 return executor.build_cache(
-                    ctx, name=name, input_name=self.input, spec=stream.spec, staging=staging, layout=layout
+                    ctx, name=name, fingerprint=call.fingerprint, input_name=self.input, spec=stream.spec,
+                    staging=staging, layout=layout,
                 )
             # Workers prove they compute the same data by recomputing its fingerprint; an input
             # that cannot be fingerprinted gives them nothing to check against.
@@ -125,7 +121,7 @@ class Cache(Stage):
         device = getattr(ctx, "torch_device", None)
         try:
             with ctx.progress.bar(total, f"{name}: building cache", unit="img") as bar:
-                written = self._write(ctx, stream, staging, name, lineage, bar)
+                written = self._write(ctx, stream, staging, call, lineage, bar)
         except RuntimeError as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -141,8 +137,9 @@ class Cache(Stage):
             written["built_on"] = device_description(device)
         return written
 
-    def _write(self, ctx: Any, stream: Any, staging: Path, name: str, lineage: dict[str, Any],
+    def _write(self, ctx: Any, stream: Any, staging: Path, call: StageCall, lineage: dict[str, Any],
                bar: Any) -> dict[str, Any]:
+        name = call.name
         return write_stream(
             stream,
             staging,
@@ -153,7 +150,7 @@ class Cache(Stage):
             fmt=self.format,
             progress=bar,
             log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
-            batch_period=1 if ctx.recipe is None else stream_batch_period(ctx.recipe.stages, self.input),
+            batch_period=call.upstream_of("input").batch_period,
         )
 
     def load(self, ctx: Any, entry: Any, call: StageCall) -> StoredStream:

@@ -22,7 +22,7 @@ from ..data.stream import (
     placement,
 )
 from ..spec import DATASET, STREAM, FieldSpec, Spec, SplitSpec
-from ..stage import Stage, StageCall
+from ..stage import Preprocessing, Stage, StageCall, StageInputs
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -57,7 +57,7 @@ class Decode(Stage):
         None, ge=1, description="threads for between_steps decoding; default torch's thread count"
     )
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         data = inputs["input"]
         fields = {
             "x": FieldSpec((3, self.resolution, self.resolution), "float32"),
@@ -66,6 +66,9 @@ class Decode(Stage):
         }
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
         return data.as_stream(splits, resolution=self.resolution)
+
+    def preprocessing(self) -> Preprocessing:
+        return Preprocessing(self.resolution, tuple(self.mean), tuple(self.std))
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DatasetStream:
         data: DatasetValue = inputs["input"]

@@ -29,7 +29,7 @@ partitioned build forms the batches an uninterrupted one forms.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError
@@ -37,12 +37,12 @@ from ..lazy import lazy_module
 from ..models.arch import ArchConfig, structure
 from ..ops.batching import Batch, batch_size_of, rechunk
 from ..ops.device_feed import to_device
-from ..spec import Cut, FieldSpec, Spec, SplitSpec
+from ..spec import Cut, Derivation, FieldSpec, Spec, SplitSpec
 from ..stream import Stream
 
 if TYPE_CHECKING:
-    from ..context import RunContext
     from ..models import zoo
+    from ..stage import StageInputs
     from .forward import ForwardStream, FrozenForward
 else:
     zoo = lazy_module("pipeline.models.zoo")
@@ -51,21 +51,18 @@ else:
 # forward and the image-based one see the same batch composition (and so the same last bits).
 DERIVE_BATCH = 64
 
-# Meta keys of the source's coding, dropped from the derived spec: its features are new float32
-# maps at another shape, not the coded stream they were computed from.
-_CODING_KEYS = ("bits", "quantile_k", "feature_shape", "coded_bits")
-
-
-def derived_spec(stage: FrozenForward, data: Spec, model: Spec, ctx: RunContext) -> Spec:
-    """The spec of ``stage`` run on the feature stream ``data`` (whose spec has a ``Cut``); refusals above."""
+def derived_spec(stage: FrozenForward, inputs: StageInputs) -> Spec:
+    """The spec of ``stage`` run on its feature stream input (whose spec has a ``Cut``); refusals above."""
+    data, model = inputs["input"], inputs["model"]
     source = data.cut
     assert source is not None  # the caller took this path because it has one
     j, k = stage.train_last_blocks, source.train_last_blocks
-    if source.model != ctx.fingerprints.get(stage.model):
+    model_fingerprint = inputs.parent("model")
+    if source.model != model_fingerprint:
         raise StageError(
             f"`{stage.input}` holds features of another model ({source.arch}, model fingerprint "
             f"{str(source.model)[:12]}) than `{stage.model}` ({model.model.arch}, "
-            f"{str(ctx.fingerprints.get(stage.model))[:12]}); a cut can only be derived from features of "
+            f"{str(model_fingerprint)[:12]}); a cut can only be derived from features of "
             "the same backbone"
         )
     if j > k:
@@ -107,17 +104,12 @@ def derived_spec(stage: FrozenForward, data: Spec, model: Spec, ctx: RunContext)
               "id": FieldSpec((), "int64")}
     splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
     n = len(net.blocks)
-    lineage: dict[str, Any] = {
-        "stream": stage.input,
-        "fingerprint": ctx.fingerprints.get(stage.input),
-        "train_last_blocks": k,
-        "blocks": [n - k, n - j],
-    }
-    if lossy:
-        lineage["lossy_splits"] = dict(sorted(lossy.items()))
-    meta = {key: value for key, value in data.meta.items() if key not in _CODING_KEYS}
+    derivation = Derivation(stage.input, inputs.parent("input"), k, (n - k, n - j), lossy or None)
     cut = Cut(source.arch, j, source.model, shape, source.resolution, stage.precision)
-    return Spec(data.kind, data.num_classes, splits, {**meta, "derived_from": lineage}).with_cut(cut)
+    # The source's coding is dropped: the derived features are new float32 maps at another shape,
+    # not the coded stream they were computed from.
+    derived = Spec(data.kind, data.num_classes, splits, data.meta).without_coding()
+    return derived.with_derivation(derivation).with_cut(cut)
 
 
 def _lossy_splits(data: Spec) -> dict[str, int]:
@@ -125,24 +117,26 @@ def _lossy_splits(data: Spec) -> dict[str, int]:
     q = data.quantization
     if q is None:
         return {}
-    coded = data.meta.get("coded_bits")
+    coded = data.coded_bits
     if coded is None:  # a coded stream that does not say per split: assume the train bits everywhere
         coded = {name: q.bits for name in data.splits}
-    return {str(name): int(bits) for name, bits in coded.items() if int(bits) < 32}
+    return {name: bits for name, bits in coded.items() if bits < 32}
 
 
 def plan_note(spec: Spec) -> str:
     """What ``python -m pipeline plan`` says about a derived stream."""
-    source, cut = spec.meta["derived_from"], spec.cut
-    assert cut is not None
-    blocks = blocks_run(*source["blocks"]) + ("" if blocks_ran(source) else " (the stored cut itself)")
-    return f"cut {source['train_last_blocks']} -> {cut.train_last_blocks}: {blocks} on `{source['stream']}`"
+    source, cut = spec.derivation, spec.cut
+    assert source is not None and cut is not None
+    blocks = blocks_run(*source.blocks) + ("" if source.ran_blocks else " (the stored cut itself)")
+    return f"cut {source.train_last_blocks} -> {cut.train_last_blocks}: {blocks} on `{source.stream}`"
 
 
-def blocks_ran(derived_from: dict[str, Any]) -> bool:
-    """Whether a derivation ran any block (the deepest cut of a cut sweep reads its own stored features)."""
-    first, stop = derived_from["blocks"]
-    return bool(stop > first)
+def blocks_ran(derived_from: Derivation | Mapping[str, Any]) -> bool:
+    """Whether a derivation ran any block (the deepest cut of a cut sweep reads its own stored features);
+    ``derived_from`` typed, or as a spec's meta holds it."""
+    if not isinstance(derived_from, Derivation):
+        derived_from = Derivation.from_meta(derived_from)
+    return derived_from.ran_blocks
 
 
 def blocks_run(first: int, stop: int) -> str:
@@ -160,7 +154,7 @@ class DerivedForwardStream(Stream):
     cost for the run's stage report.
     """
 
-    def __init__(self, forward: ForwardStream, batch_size: int, derived_from: dict[str, Any]) -> None:
+    def __init__(self, forward: ForwardStream, batch_size: int, derived_from: Derivation) -> None:
         self.forward = forward
         self.parent = forward.parent
         self.spec = forward.spec
@@ -192,7 +186,7 @@ class DerivedForwardStream(Stream):
     def report(self) -> dict[str, Any]:
         seconds, samples = self.stats.seconds, self.stats.samples
         return {
-            "derived_from": dict(self.derived_from),
+            "derived_from": self.derived_from.to_meta(),
             "samples": samples,
             "seconds": round(seconds, 4),
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,

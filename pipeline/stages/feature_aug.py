@@ -25,7 +25,7 @@ from ..codec.moves import CropFlip, crop_and_flip
 from ..errors import StageError
 from ..ops.batching import Batch
 from ..spec import STREAM, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from ..stream import MapStream, Stream
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class FeatureAugment(Stage):
     splits: tuple[str, ...] = ("train",)
     seed: int = 0
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         data = inputs["input"]
         for name in self.splits:
             field = data.split(name, stage=self.type_name).fields.get("x")

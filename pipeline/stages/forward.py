@@ -38,7 +38,7 @@ from ..ops.batching import Batch, rechunk
 from ..ops.device_feed import to_device
 from ..ops.padded_forward import padded_forward
 from ..spec import MODEL, STREAM, Cut, FieldSpec, Spec, SplitSpec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from ..stream import Stream, StreamStats
 
 if TYPE_CHECKING:
@@ -146,14 +146,14 @@ class FrozenForward(Stage):
         # int8 results depend on the kernels; a fallback to fp32 must never share their fingerprint.
         return f"int8:{engine}" if engine else "int8-unavailable:fp32-fallback"
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         data, model = inputs["input"], inputs["model"]
         check_cut(self.train_last_blocks, model)
         self._check_device(ctx)
         if data.cut is not None:  # features at a lower cut: run only the blocks between (derived_cut)
             from .derived_cut import derived_spec
 
-            return derived_spec(self, data, model, ctx)
+            return derived_spec(self, inputs)
         if self.lossy_source:
             raise StageError(f"lossy_source applies to a feature stream input (from a cache); `{self.input}` "
                              "holds images: remove lossy_source")
@@ -173,7 +173,7 @@ class FrozenForward(Stage):
         if self.precision == "int8" and self.calibration_split not in data.splits:
             raise StageError(f"calibration_split {self.calibration_split!r} is not a split of "
                              f"`{self.input}` (found {sorted(data.splits)})")
-        cut = Cut(model.model.arch, self.train_last_blocks, ctx.fingerprints.get(self.model),
+        cut = Cut(model.model.arch, self.train_last_blocks, inputs.parent("model"),
                   shape, resolution, self.precision, zoo.token_layout(net, self.train_last_blocks))
         return data.as_stream(splits).with_cut(cut)
 
@@ -188,7 +188,7 @@ class FrozenForward(Stage):
                              "(on a CPU use precision: bf16 or fp32)")
 
     def plan_note(self, call: StageCall) -> str | None:
-        if "derived_from" not in call.spec.meta or call.inputs["input"].cut is None:
+        if call.spec.derivation is None or call.inputs["input"].cut is None:
             return None
         from .derived_cut import plan_note
 
@@ -228,8 +228,9 @@ class FrozenForward(Stage):
         middle = fold_batch_norms(blocks.eval())
         forward = ForwardStream(stream, middle.to(ctx.torch_device), call.spec, None,
                                 AUTOCAST.get(self.precision), device=ctx.torch_device, name=call.name)
-        return DerivedForwardStream(forward, self.batch_size or DERIVE_BATCH,
-                                    dict(call.spec.meta["derived_from"]))
+        derivation = call.spec.derivation
+        assert derivation is not None  # resolve() set it
+        return DerivedForwardStream(forward, self.batch_size or DERIVE_BATCH, derivation)
 
     def _int8(self, ctx: RunContext, stream: Stream, bottom: torch.nn.Module,
               name: str) -> tuple[torch.nn.Module, str]:

@@ -13,7 +13,7 @@ from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, seeded_net
 from ..models.weights import hub_checkpoint, load_weights
 from ..spec import MODEL, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,7 @@ class Backbone(Stage):
             raise MissingPathError(f"weights file not found: {path} (set weights: to a state_dict file)")
         return path
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         self._weights_path()  # fail before any work if the file is missing
         return self._config().spec()
 

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from ..codec.features import DequantizedStream, coded_spec, decoded_spec, encoded, quantized_fields
 from ..spec import STREAM, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from ..stream import MapStream
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Quantize(Stage):
     def _bits_for(self, split: str) -> int:
         return self.bits if split in self.splits else self.eval_bits
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return coded_spec(inputs["input"], self._bits_for, self.bits, self.k, stage=self.type_name)
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> MapStream:
@@ -57,7 +57,7 @@ class Dequantize(Stage):
 
     input: str
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return decoded_spec(inputs["input"])
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> DequantizedStream:

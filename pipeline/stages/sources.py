@@ -60,6 +60,9 @@ class ImageFolder(SourceStage):
     def load_sets(self) -> dict[str, SampleSet]:
         return dict(image_folder(self.root, on_bad_sample=self.on_bad_sample))
 
+    def bad_sample_rule(self) -> str:
+        return str(self.on_bad_sample)
+
 
 class Cifar10(SourceStage):
     """CIFAR-10 from a torchvision root folder; never downloads unless ``download: true``."""

@@ -11,7 +11,7 @@ from ..ops.batching import Batch, rechunk
 from ..ops.prefetch import prefetch
 from ..ops.shuffle import window_shuffle
 from ..spec import STREAM, Spec
-from ..stage import Stage, StageCall
+from ..stage import Stage, StageCall, StageInputs
 from ..stream import Stream, StreamStats
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class _OpStage(Stage):
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
     input: str
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return inputs["input"]
 
 

@@ -174,7 +174,7 @@ def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
 def _stage_fingerprint(tmp_path: Path, recipe: dict[str, Any]) -> str:
     r = recipe_from_dict(recipe)
     runner = Runner(r, RunContext(catalog=Catalog(tmp_path / "probe")))
-    fp = r.stages["nf"].training_fingerprint(runner.ctx, "nf")
+    fp = r.stages["nf"].training_fingerprint(runner.calls["nf"])
     assert fp is not None
     return fp
 

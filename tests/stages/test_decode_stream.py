@@ -17,6 +17,7 @@ import torch
 
 from pipeline.data.decode import Decoder, InputAugment
 from pipeline.data.sources import synthetic
+from pipeline.stage import StageInputs
 from pipeline.stages.decode import DatasetStream, Decode
 from pipeline.stages.sources import DatasetValue
 from tests.helpers import stage_call
@@ -28,7 +29,7 @@ def make_stream(depth: int, *, augment: InputAugment | None = None, batch: int =
                 cpu_work: str = "background", threads: int = 1, pin_memory: bool = False) -> DatasetStream:
     sets = synthetic(23, 4, 12, seed=3)
     data = DatasetValue(sets, list(sets["train"].class_names))
-    spec = Decode(input="data", resolution=RES).resolve({"input": data.spec}, None)
+    spec = Decode(input="data", resolution=RES).resolve(StageInputs({"input": data.spec}), None)
     decoder = Decoder(RES, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     return DatasetStream(data, spec, decoder, augment, ("train",), batch, depth, cpu_work=cpu_work,
                          threads=threads, pin_memory=pin_memory)

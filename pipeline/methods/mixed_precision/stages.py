@@ -28,7 +28,7 @@ from ...errors import ModelError, StageError
 from ...lazy import lazy_module, require
 from ...models.arch import ArchConfig, ModelValue, structure
 from ...spec import MODEL, RESULT, STREAM, Spec
-from ...stage import Stage, StageCall
+from ...stage import Stage, StageCall, StageInputs
 from ..finetune import Finetune
 from .search import SearchConfig, nsga2, robustness
 
@@ -129,7 +129,7 @@ class PartitionSearch(Stage):
     def _graph(self, model: Spec) -> graph.LayerGraph:
         return graph.layer_graph(structure(ArchConfig.of(model)))
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         require("pymoo")  # the search's NSGA-II; an extra ("search"), so checked before any work
         data, model = inputs["input"], inputs["model"]
         for split in {self.calibration_split, self.eval_split}:
@@ -238,7 +238,7 @@ class FinetuneMixed(Finetune):
 
     top_precision: Literal["bf16", "fp32"] = "bf16"
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         spec = super().resolve(inputs, ctx)
         return Spec(RESULT, spec.num_classes, meta={**spec.meta, "top_precision": self.top_precision})
 

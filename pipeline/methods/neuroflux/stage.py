@@ -39,7 +39,7 @@ from ...models.weights import load_weights
 from ...ops.batching import Batch, rechunk, xy
 from ...ops.prefetch import prefetch
 from ...spec import RESULT, STREAM, Spec
-from ...stage import Stage, StageCall
+from ...stage import Stage, StageCall, StageInputs
 from ...stream import Stream
 from ..amp import check_precision
 from ..graphed import check_cuda_graph
@@ -161,7 +161,7 @@ class _BudgetedTraining(Stage):
         except ModelError as exc:
             raise StageError(f"arch: {exc}") from None
 
-    def resolve(self, inputs: dict[str, Spec], ctx: RunContext) -> Spec:
+    def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
         check_precision(self.train.precision, ctx.torch_device)
         eager_only = "NeuroFlux's local learning steps run eagerly" if self.type_name == "neuroflux" else None
@@ -233,14 +233,14 @@ class NeuroFlux(_BudgetedTraining):
     def aux_kind(self) -> Literal["adaptive", "classic"]:
         return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
 
-    def training_fingerprint(self, ctx: RunContext, name: str) -> str | None:
+    def training_fingerprint(self, call: StageCall) -> str | None:
         """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
 
         Choosing or exporting a different exit never changes a trained block, so those settings are
         left out: a recipe that only changes ``exit_tolerance`` reuses every block. None when the
         stage's input cannot be fingerprinted (nothing is stored then).
         """
-        stage_fp, parent = ctx.fingerprints.get(name, ""), ctx.fingerprints.get(self.input, "")
+        stage_fp, parent = call.fingerprint, call.parents.get("input", "")
         if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
             return None
         return partial_fingerprint(self, parent, EXIT_SETTINGS)
@@ -314,13 +314,13 @@ class NeuroFlux(_BudgetedTraining):
             + "; ".join(f"layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}" for b in blocks)
         )
 
-        fingerprint = self.training_fingerprint(ctx, name)
+        fingerprint = self.training_fingerprint(call)
         scratch = None
         catalog = ctx.catalog
         if fingerprint is None:  # nothing may be stored under it: work in a throwaway store
             scratch = tempfile.TemporaryDirectory(prefix=f"{name}-neuroflux-")
             catalog = Catalog(scratch.name)
-            fingerprint = derived_fingerprint("0" * 64, ctx.fingerprints.get(name, name))
+            fingerprint = derived_fingerprint("0" * 64, call.fingerprint or name)
         spills = Spills(
             catalog,
             fingerprint,
