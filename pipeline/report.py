@@ -26,7 +26,7 @@ import yaml
 from .data.image_folder import SkippedSamplesWarning
 from .errors import OutputError, stage_of
 from .runner import Runner, StageReport
-from .spec import RESULT
+from .spec import RESULT, Derivation
 from .stages.derived_cut import blocks_run
 
 DISTRIBUTION = "ondevice-tl"
@@ -450,11 +450,11 @@ def write_run_outputs(
         lines += ["", "Derived from stored features (only the blocks between the two cuts ran):", ""]
         for s in derived:
             m = s["metrics"]
-            source = m["derived_from"]
+            source = Derivation.from_meta(m["derived_from"])  # the stream's report holds it as its spec does
             rate = f" ({m['samples_per_s']:.0f} samples/s)" if _number(m.get("samples_per_s")) else ""
-            blocks = blocks_run(*source["blocks"])
-            lines.append(f"- `{s['name']}`: cut {source['train_last_blocks']} of `{source['stream']}` "
-                         f"(`{str(source['fingerprint'])[:12]}`), {blocks}: {m['samples']} samples in "
+            blocks = blocks_run(*source.blocks)
+            lines.append(f"- `{s['name']}`: cut {source.train_last_blocks} of `{source.stream}` "
+                         f"(`{str(source.fingerprint)[:12]}`), {blocks}: {m['samples']} samples in "
                          f"{m['seconds']:.2f} s{rate}")
     if results:
         lines += [

@@ -119,3 +119,25 @@ def test_the_context_rule_itself(source: str, bad: bool) -> None:
 ])
 def test_the_meta_rule_itself(source: str, bad: bool) -> None:
     assert bool(raw_meta_reads(source)) == bad
+
+
+def test_typed_spec_facts_keep_their_stored_form() -> None:
+    from pipeline.spec import STREAM, Derivation, Quantization, Spec
+
+    stored = {"stream": "k7", "fingerprint": "ab" * 32, "train_last_blocks": 7, "blocks": [12, 15]}
+    derivation = Derivation.from_meta(stored)
+    assert derivation.to_meta() == stored and list(derivation.to_meta()) == list(stored)
+    assert derivation.ran_blocks and not Derivation("k", None, 4, (15, 15)).ran_blocks
+    lossy = {**stored, "lossy_splits": {"test": 16, "train": 4}}
+    assert Derivation.from_meta(lossy).to_meta() == lossy
+
+    spec = Spec(STREAM, 3, {}, {"class_names": ["a", "b", "c"], "resolution": 32})
+    quantized = spec.with_quantization({}, Quantization(4, 0.01, (8, 2, 2)))
+    coded = quantized.with_coded_bits({"train": 4, "val": 16})
+    assert coded.coded_bits == {"train": 4, "val": 16} and coded.meta["coded_bits"] == {"train": 4, "val": 16}
+    assert list(coded.without_coding(quantization=False).meta) == [
+        "class_names", "resolution", "bits", "quantile_k", "feature_shape"]
+    assert coded.without_coding().meta == spec.meta and coded.without_coding().coded_bits is None
+    derived = spec.with_derivation(derivation)
+    assert derived.derivation == derivation and derived.meta["derived_from"] == stored
+    assert spec.derivation is None and spec.coded_bits is None
