@@ -4,6 +4,8 @@ the transfer, training times filled in, and a rerun that reused everything still
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +100,14 @@ def test_single_and_two_stage_are_both_named_when_both_ran(tmp_path: Path) -> No
     run = _run(recipe, tmp_path, "both")
     assert _title(run / "epoch_time.png") == "seconds per epoch: single-stage (orange) vs two-stage (blue)"
     assert "transfer (baseline, two_stage)" in _title(run / "curves.png")
+
+
+def test_every_file_of_a_run_is_readable_like_any_new_file(runs: tuple[Path, Path]) -> None:
+    mask = os.umask(0o022)  # the mask the runs were made under (umask returns the previous one)
+    os.umask(mask)
+    for run in runs:
+        modes = {p.relative_to(run).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*")
+                 if p.is_file()}
+        assert modes == dict.fromkeys(modes, 0o666 & ~mask)
+        # The backbone's model file (owner-only, 0600, before) is written where the backbone was trained.
+        assert "stages/backbone/model.pt" in modes or run == runs[1]

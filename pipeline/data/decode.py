@@ -51,6 +51,19 @@ def _check_batch(array: np.ndarray) -> np.ndarray:
     return array
 
 
+# How ``Decoder`` resizes, in words a device's own preprocessing can follow (an exported model's
+# description carries it): a different resize (a centre crop, another filter) gives other pixels.
+RESIZE = {
+    "method": "bilinear",
+    "antialias": "when shrinking (torch.nn.functional.interpolate antialias=True); none when enlarging",
+    "align_corners": False,
+    "aspect": "not kept: the whole image is stretched to resolution x resolution (no crop, no padding)",
+    "orientation": "EXIF orientation applied first (a rotated phone photo is turned upright)",
+    "grayscale": "one channel, repeated to three",
+    "order": "resize the pixels (as float), then (pixel / 255 - mean) / std",
+}
+
+
 class Decoder:
     """Images -> float32 tensor (N, 3, R, R): resized (antialiased bilinear) and normalized with mean/std.
 

@@ -9,11 +9,11 @@ Formats:
   ``torch.export`` cannot trace: tracing records the ops one forward ran, so a data-dependent branch
   is frozen as it was taken.
 
-Beside the file go its description (``FILE.json``: class names, preprocessing, where it came from,
-what the check measured) and reference inputs and outputs (``FILE.reference.pt``: ``{"x", "logits"}``)
-so a device can check its copy. The exported program is loaded back and compared with the eager
-model on the reference batch and on a batch of one; only within ``tolerance`` is it written under
-its final name.
+Beside the file go its description (``FILE.json``: class names, preprocessing with the resize method,
+where it came from, what the check measured) and reference inputs and outputs (``FILE.reference.pt``:
+``{"x", "logits"}``) so a device can check its copy. The exported program is loaded back and compared
+with the eager model on the reference batch and on a batch of one; only within ``tolerance`` is it
+written under its final name. All three get the mode any new file gets (0666 less the umask).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..data.decode import RESIZE
 from ..errors import ModelError
+from ..models.weights import temp_beside
 from .model_file import DESCRIPTION_SUFFIX, LoadedModel, description_path
 
 Format = Literal["pt2", "onnx", "torchscript"]
@@ -170,7 +171,7 @@ EXPORTERS: dict[str, Callable[[nn.Module, torch.Tensor, Path], Callable[[torch.T
 
 
 def _atomic_bytes(path: Path, write: Callable[[Path], object]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)  # mode 0666 less the umask, as the exported file itself gets
     os.close(fd)
     try:
         write(Path(tmp))
@@ -211,7 +212,10 @@ def export(loaded: LoadedModel, output: Path, fmt: str = "pt2") -> ExportResult:
                               f"(tolerance "
                               f"{tolerance:.3g}); nothing was written. Deploy the model file with "
                               "pipeline.load_model instead, and please report this")
-        description = {**loaded.metadata, "exported": {
+        # The resize belongs to the preprocessing a device must repeat: the model file names the
+        # resolution, mean and std; how the toolkit's decoder resizes is fixed, so it is written here.
+        inputs = {**loaded.metadata.get("input", loaded.transform.to_meta()), "resize": RESIZE}
+        description = {**loaded.metadata, "input": inputs, "exported": {
             "format": fmt, "file": output.name, "from": str(loaded.path), "torch_version": torch.__version__,
             "checked_max_abs_diff": diff, "tolerance": tolerance, "reference": output.stem + REFERENCE_SUFFIX,
             "input_shape": ["batch", *x.shape[1:]]}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +71,21 @@ def _check_plain(value: Any, where: str) -> None:
                      f"so the file loads with weights_only=True, found {type(value).__name__}")
 
 
+def temp_beside(path: Path) -> tuple[int, Path]:
+    """A new, uniquely named file in ``path``'s folder, open for writing, to be renamed over ``path``.
+
+    Unlike ``tempfile.mkstemp`` (always 0600) it gets the mode of any new file, 0666 less the umask:
+    what it becomes is a model file or an export's description that others read and copy.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def save_weights(net: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                  metadata: Mapping[str, Any]) -> Path:
     """Write atomically: a crash leaves the old file or the new one, never a truncated file."""
@@ -83,7 +98,7 @@ def save_weights(net: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                              f"(saving {path})")
         state[key] = value.detach().to("cpu")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save({"state_dict": state, "meta": dict(metadata)}, fh)
