@@ -11,7 +11,7 @@ from pydantic import Field
 from ..errors import MissingPathError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, seeded_net
-from ..models.weights import hub_checkpoint, load_weights
+from ..models.weights import hub_checkpoint, load_weights, missing_weights_message
 from ..spec import MODEL, Spec
 from ..stage import Stage, StageCall, StageInputs
 
@@ -88,7 +88,7 @@ class Backbone(Stage):
             return path
         path = Path(self.weights).expanduser()
         if not path.is_file():
-            raise MissingPathError(f"weights file not found: {path} (set weights: to a state_dict file)")
+            raise MissingPathError(missing_weights_message(path, RANDOM_WEIGHTS))
         return path
 
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
