@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from pipeline.cli import main
 from tests.sweep.recipes import tiny_recipe
@@ -25,7 +25,9 @@ def _run(recipe: dict[str, Any], tmp: Path, out: str) -> Path:
 
 
 def _title(png: Path) -> str:
-    return str(Image.open(png).text["Title"])  # matplotlib writes it into the PNG's tEXt chunk
+    image = Image.open(png)
+    assert isinstance(image, PngImagePlugin.PngImageFile)
+    return str(image.text["Title"])  # matplotlib writes it into the PNG's tEXt chunk
 
 
 def _result_row(run: Path, trainer: str) -> list[str]:

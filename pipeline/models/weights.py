@@ -143,15 +143,27 @@ def not_a_torch_file(path: Path) -> str | None:
     return None
 
 
+def missing_weights_message(path: Path, random: str = "random") -> str:
+    """Why a weights file was not found, where it was looked for, and the ways on without one.
+
+    The user who meets this is often offline with images of their own and no way to download
+    weights: the two ways that need no file come first.
+    """
+    where = f"{path}" if path.is_absolute() else f"{path} (looked for {path.absolute()})"
+    return (
+        f"weights file not found: {where}. Without a weights file: train the backbone on images you "
+        "have with a `pretrain` stage and give its name as `model:` (`python -m pipeline new own-data "
+        f"FOLDER` writes such a recipe for an image folder), or write `weights: {random}` to start from "
+        "random initialisation (transfer from it stays near chance). With one: copy a torchvision "
+        "state_dict file (torch.save(model.state_dict())) to that path, or set `weights:` to where it is"
+    )
+
+
 def load_weights(path: str | Path) -> tuple[StateDict, dict[str, Any]]:
     """(state_dict, meta) from a file written by ``save_weights`` or a plain ``torch.save(state_dict)``."""
     path = Path(path)
     if not path.exists():
-        raise MissingPathError(
-            f"weights file not found: {path}; pass a file written by save_weights or "
-            "torch.save(model.state_dict()), put a torchvision checkpoint in the hub cache and use "
-            "weights: hub, or pretrain a backbone with a `pretrain` stage"
-        )
+        raise MissingPathError(missing_weights_message(path))
     if not path.is_file():
         raise ModelError(f"weights path {path} is not a file (expected a .pt state_dict file)")
     kind = not_a_torch_file(path)
