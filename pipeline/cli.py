@@ -94,10 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     cache_cli.add_parser(sub)
     new = sub.add_parser(
         "new",
-        help="write the example recipes that ship with the toolkit into a folder (e.g. `new quickstart`)",
+        help="write the example recipes that ship with the toolkit into a folder (e.g. `new quickstart`), or "
+        "a recipe for your own image folder (`new own-data FOLDER`)",
     )
-    new.add_argument("name", help="quickstart, a method's folder (neuroflux, mobiletl, ...) or all")
-    new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one)")
+    new.add_argument("name", help="quickstart, a method's folder (neuroflux, mobiletl, ...), all or own-data")
+    new.add_argument("dir", nargs="?", default=".", help="folder to write into (default: the current one); "
+                     "for own-data, the image folder (the recipe goes to the current folder)")
     new.add_argument("--force", action="store_true", help="overwrite recipes that exist with other content")
     deploy_commands.add_parsers(sub)
     choose_command.add_parsers(sub)
@@ -230,9 +232,9 @@ def cmd_new(args: argparse.Namespace) -> int:
 
     written = write(args.name, Path(args.dir), force=args.force)
     for w in written:
-        print(f"{w.action:<11} {w.path}")
+        print(f"{w.action:<11} {w.path}" + (f" ({w.note})" if w.note else ""))
     first = next((w.path for w in written if w.path.name == "quickstart.yaml"), written[0].path)
-    print(f"{len(written)} recipe{'s' if len(written) != 1 else ''} in {args.dir}; next: "
+    print(f"{len(written)} recipe{'s' if len(written) != 1 else ''} in {first.parent}; next: "
           f"python -m pipeline run {first}")
     return EXIT_OK
 
