@@ -1,22 +1,27 @@
-"""The one compiled kernel: dequantize + crop/flip of cached feature maps in a single pass.
+"""The compiled codec kernels: quantize (compression) and dequantize + crop/flip (decompression).
 
-Training from the cache runs on the trainer's critical path every epoch, and where the trained top
-is short (one block) the torch ops that turn cached codes into augmented float maps (unpack,
-gather, convert, scale, shift, zero the padding: several passes over the data) are a visible share
-of the step. ``dequantize_moved.c`` does it in one pass, bit for bit the same.
+Decompression runs on the trainer's critical path every epoch, and where the trained top is short
+(one block) the torch ops that turn cached codes into augmented float maps (unpack, gather, convert,
+scale, shift, zero the padding: several passes over the data) are a visible share of the step.
+``dequantize_moved.c`` does it in one pass, bit for bit the same. Compression runs once per entry, on
+the build's critical path beside the frozen forward; torch spends most of its time there in
+separate elementwise passes and small-tensor ops on the (N, C) grid, which ``quantize.c`` does per
+channel while the channel is in cache, byte for byte the same (``quantile.quantize`` uses it when
+it is built, and its torch ops otherwise).
 
-Kept because it pays where the two-stage bar is tight, and more on a busy device: it beats the fused
-torch ops at every cut, by a few percent of a one-block epoch on a quiet machine (the cut whose
-two-stage time was over its bar with torch ops, README's Cache & Reuse notes) and by far more when
-other work shares the cores, which slows torch's OpenMP ops much more than the kernel's own threads
-(``python -m benchmarks.bench_dequantize_kernel``; numbers in benchmarks/README.md, ``dequantize_kernel``).
+Kept because they pay where the two-stage bar is tight, and more on a busy device: the dequantize
+kernel beats the fused torch ops at every cut, by a few percent of a one-block epoch on a quiet
+machine (the cut whose two-stage time was over its bar with torch ops, README's Cache & Reuse notes)
+and by far more when other work shares the cores, which slows torch's OpenMP ops much more than the
+kernel's own threads (``python -m benchmarks.bench_dequantize_kernel``; numbers in
+benchmarks/README.md, ``dequantize_kernel``); both directions: ``python -m benchmarks.bench_codec``.
 
 It is plain C (no Python or torch headers), compiled on first use with the machine's C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache folder, keyed by a hash
-of the source, the flags and the machine, and loaded with ctypes: nothing to build at install
+of the sources, the flags and the machine, and loaded with ctypes: nothing to build at install
 time, and a device compiles it for itself. Without a compiler, on a failed build, or with
-``ONDEVICE_TL_NATIVE=0``, :func:`kernel` returns None and callers use the torch ops (one
-warning says why). ``ONDEVICE_TL_NATIVE_CACHE`` sets the cache folder.
+``ONDEVICE_TL_NATIVE=0``, :func:`kernel` and :func:`quantize_kernel` return None and callers use the
+torch ops (one warning says why). ``ONDEVICE_TL_NATIVE_CACHE`` sets the cache folder.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -47,16 +52,22 @@ else:
 
 ENV = "ONDEVICE_TL_NATIVE"
 CACHE_ENV = "ONDEVICE_TL_NATIVE_CACHE"
-SOURCE = Path(__file__).with_name("dequantize_moved.c")
+# Compiled together into one library (each file is self-contained).
+SOURCES = (Path(__file__).with_name("dequantize_moved.c"), Path(__file__).with_name("quantize.c"))
 # -ffp-contract=off: a fused multiply-add would round differently from torch's separate mul and add.
 FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off")
 SYMBOL = "otl_dequantize_moved"
+QUANTIZE_SYMBOL = "otl_quantize"
+# otl_quantize's reports (quantize.c): the range torch would give is not certain from the values alone
+# (both signs of zero at a channel's minimum); a value is NaN, inf or beyond float16; a scale overflows.
+AMBIGUOUS_ZERO, OUT_OF_RANGE, SCALE_OVERFLOW = 1, 2, 3
 
 # (dy, dx, flip) per sample: a crop's offsets and whether it mirrors (see dequantize_moved).
 Move = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 _lock = threading.Lock()
 _kernel: Any = None
+_quantize: Any = None
 _looked_up = False
 
 
@@ -82,24 +93,25 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where the build of the current source with ``compiler`` lives (a new source: a new file)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), sys.platform.encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"dequantize_moved-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"codec-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, target: Path) -> None:
-    """Compile the kernel to ``target``: to a temporary file beside it, then renamed, so a reader
+    """Compile the kernels to ``target``: to a temporary file beside it, then renamed, so a reader
     (another process compiling at the same time) never loads a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*compiler.split(), *FLAGS, "-o", tmp, str(SOURCE)],
+        sources = [str(source) for source in SOURCES]
+        done = subprocess.run([*compiler.split(), *FLAGS, "-o", tmp, *sources],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE}: {done.stderr.strip()[-500:]}")
+            raise OSError(f"{compiler} failed on {', '.join(sources)}: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -123,38 +135,51 @@ def _check_owner(path: Path) -> None:
                           f"{CACHE_ENV} to a folder of your own")
 
 
-def _load() -> Any:
+def _load() -> tuple[Any, Any]:
     if not native_requested():
-        return None
+        return None, None
     compiler = _compiler()
     if compiler is None:
-        warnings.warn("no C compiler found (set $CC or install cc/gcc/clang): dequantizing cached "
-                      "features with torch ops, which is slower on the training thread", RuntimeWarning,
-                      stacklevel=3)
-        return None
+        warnings.warn("no C compiler found (set $CC or install cc/gcc/clang): quantizing and dequantizing "
+                      "features with torch ops, which is slower (dequantizing: on the training thread)",
+                      RuntimeWarning, stacklevel=4)
+        return None, None
     path = library_path(compiler)
     try:
         if not path.exists():
             build(compiler, path)
         _check_owner(path)
-        fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
+        library = ctypes.CDLL(str(path))
+        dequantize_fn, quantize_fn = getattr(library, SYMBOL), getattr(library, QUANTIZE_SYMBOL)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        warnings.warn(f"could not build or load the dequantize kernel ({exc}); using torch ops",
-                      RuntimeWarning, stacklevel=3)
-        return None
+        warnings.warn(f"could not build or load the codec kernels ({exc}); using torch ops",
+                      RuntimeWarning, stacklevel=4)
+        return None, None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    fn.argtypes = [p, i64, i64, i32, i64, i64, i64, p, p, p, p, p, p, i32]
-    fn.restype = ctypes.c_int
-    return fn
+    dequantize_fn.argtypes = [p, i64, i64, i32, i64, i64, i64, p, p, p, p, p, p, i32]
+    dequantize_fn.restype = ctypes.c_int
+    quantize_fn.argtypes = [p, i64, i64, i64, i32, p, p, i32, i32, p, p, p, i64, i32, i32, p]
+    quantize_fn.restype = ctypes.c_int
+    return dequantize_fn, quantize_fn
+
+
+def _look_up() -> None:
+    global _kernel, _quantize, _looked_up
+    with _lock:
+        if not _looked_up:
+            (_kernel, _quantize), _looked_up = _load(), True
 
 
 def kernel() -> Any:
-    """The loaded C function, or None when it is turned off or cannot be built here (then warned once)."""
-    global _kernel, _looked_up
-    with _lock:
-        if not _looked_up:
-            _kernel, _looked_up = _load(), True
-        return _kernel
+    """The loaded dequantize function, or None when turned off or not buildable here (then warned once)."""
+    _look_up()
+    return _kernel
+
+
+def quantize_kernel() -> Any:
+    """The loaded quantize function, or None when turned off or not buildable here (then warned once)."""
+    _look_up()
+    return _quantize
 
 
 def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
@@ -203,3 +228,58 @@ def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"the dequantize kernel rejected its arguments (status {status}): "
                          f"{bits} bits, shape {shape}, {n} samples, {threads} threads")
     return out
+
+
+class Quantized(NamedTuple):
+    """What :func:`quantize` made: ``codes`` uint8 (N, packed bytes), ``lo16``/``scale16`` float16 (N, C),
+    and ``lo``/``hi`` float32 (N, C), each channel's range. ``status`` 0: all made; else one of
+    AMBIGUOUS_ZERO, OUT_OF_RANGE, SCALE_OVERFLOW, and ``where`` = sample * C + channel it was found at
+    (one of them, if several: which one may depend on the thread count); the tensors are then incomplete."""
+
+    codes: torch.Tensor
+    lo16: torch.Tensor
+    scale16: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    status: int
+    where: int
+
+
+def quantize(x: torch.Tensor, bits: int, value_range: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+             clip: bool = False, threads: int = 1, isa: int = -1) -> Quantized | None:
+    """``x`` float32 (N, C, L), contiguous, on the CPU, as :func:`pipeline.codec.quantile.quantize` codes
+    it, or None without the kernel.
+
+    ``value_range`` (lo, hi), float32 (N, C): the clipping range (k > 1: torch.topk's), clipped to
+    when ``clip``; None: each channel's min and max. ``threads`` > 1 splits the samples between that
+    many threads; no byte depends on it. ``isa`` caps the vector width the kernel picks at run time
+    (-1: the widest the CPU has; 0: the build's baseline, 1: AVX2, 2: AVX-512 on x86), for tests, which
+    compare them. The caller answers a nonzero ``status`` (see :class:`Quantized`).
+    """
+    fn = quantize_kernel()
+    if fn is None:
+        return None
+    if x.dtype != torch.float32 or x.dim() != 3 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"x must be contiguous float32 (N, C, L) on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    n, c, length = x.shape
+    if value_range is None:
+        lo, hi = torch.empty(n, c), torch.empty(n, c)
+    else:
+        lo, hi = (t.contiguous() for t in value_range)
+        if any(t.dtype != torch.float32 or tuple(t.shape) != (n, c) for t in (lo, hi)):
+            raise ValueError(f"value_range must be two float32 tensors of shape {(n, c)}, got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in (lo, hi)]}")
+    row_bytes = (c * length * bits + 7) // 8
+    codes = torch.empty(n, row_bytes, dtype=torch.uint8)
+    lo16, scale16 = torch.empty(n, c, dtype=torch.float16), torch.empty(n, c, dtype=torch.float16)
+    where = ctypes.c_int64(-1)
+    status = fn(x.data_ptr(), n, c, length, bits, lo.data_ptr(), hi.data_ptr(), int(value_range is not None),
+                int(clip), lo16.data_ptr(), scale16.data_ptr(), codes.data_ptr(), row_bytes,
+                max(1, min(64, int(threads))), int(isa), ctypes.byref(where))
+    if status == -1:
+        raise MemoryError("the quantize kernel could not allocate its per-thread buffer")
+    if status < 0:
+        raise ValueError(f"the quantize kernel rejected its arguments (status {status}): {bits} bits, "
+                         f"shape {tuple(x.shape)}, clip={clip}, {threads} threads")
+    return Quantized(codes, lo16, scale16, lo, hi, int(status), int(where.value))

@@ -19,9 +19,10 @@ For every element, with ``c = clip(x, lo, hi)`` and ``x_hat`` its reconstruction
     |x_hat - c| <= scale16 / 2 * (1 + 2**-13) + 2**-24 * |x_hat|
 
 - ``scale16 / 2``: rounding to the nearest level of a grid that covers ``[lo, hi]``.
-- ``2**-13`` relative: the code is ``round(fl(fl(c - lo16) * fl(1 / scale16)))``; three float32
-  roundings perturb a value of at most ``2**bits - 1 <= 255`` code units by at most
-  ``255 * 3 * 2**-24 < 2**-14`` units, which can only flip a tie, so ``|code - exact| <= 1/2 + 2**-14``.
+- ``2**-13`` relative: the code is ``trunc(fl(fl(fl(c - lo16) * fl(1 / scale16)) + 1/2))``, rounding half
+  up; the first three float32 roundings perturb a value of at most ``2**bits - 1 <= 255`` code units by
+  at most ``255 * 3 * 2**-24`` units and the addition of 1/2 (to a value below 256) by at most ``2**-17``,
+  together less than ``2**-14`` units, which can only flip a tie, so ``|code - exact| <= 1/2 + 2**-14``.
 - ``2**-24 |x_hat|``: dequantization ``lo16 + code * scale16`` in float32. The product is exact (an
   8-bit integer times an 11-bit float16 significand fits in float32's 24 bits), so only the final
   addition rounds, by at most half a float32 ulp.
@@ -33,6 +34,13 @@ of the scale (at most ``(hi - lo) * 2**-10``; the reconstruction of ``hi`` is al
 above). So k = 1 reconstructs each channel's min and max to float16 precision. A channel with ``hi == lo``
 (a constant map, e.g. an all-zero ReLU output) gets ``scale = 0``, codes 0 and ``lo`` rounded to the
 nearest float16, which reconstructs exactly whenever the constant is a float16 value (0 always is).
+
+Where it runs
+-------------
+On the CPU, :func:`quantize` hands the work to the compiled kernel (``quantize.c`` through
+:mod:`pipeline.codec.native`) when it can be built: the same operations in the same order, one pass
+per channel, bytes equal to the torch ops' (tests/codec/test_native_quantize.py). The torch ops below
+are the specification, and what runs on a GPU, without a compiler and for every error message.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DataError
+from . import native
 from .bitpack import check_bits, pack, packed_length, unpack
 
 FLOAT16_MAX = 65504.0
@@ -157,13 +166,57 @@ def _float16_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.
     return lo16, scale16
 
 
-def quantize(x: torch.Tensor, bits: int, k: int | float = 1) -> QuantizedBatch:
+def _channel_range(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, ...]:
+    """(lo, hi, vmin, vmax) (N, C) of ``flat`` (N, C, L): the clipping range at ``rank`` and the extremes."""
+    if rank == 1:
+        lo, hi = flat.amin(-1), flat.amax(-1)
+        return lo, hi, lo, hi
+    top = flat.topk(rank, dim=-1, largest=True, sorted=True).values
+    bottom = flat.topk(rank, dim=-1, largest=False, sorted=True).values
+    return bottom[..., -1], top[..., -1], bottom[..., 0], top[..., 0]
+
+
+def _quantize_compiled(x: torch.Tensor, flat: torch.Tensor, bits: int, rank: int,
+                       shape: tuple[int, int, int], threads: int) -> QuantizedBatch | None:
+    """The compiled kernel's batch (the same bytes), or None: not built here, or an error to raise.
+
+    For k > 1 the range comes from torch.topk (the kernel does not select); for k = 1 the kernel
+    finds it, unless a channel's minimum is zero with both signs present, where torch's sign of
+    zero (stored in lo) depends on its vector lanes: then torch's amin/amax give the range. Any
+    error (NaN, inf, beyond float16, a scale overflowing float16) returns None, and the torch ops
+    raise it with their message.
+    """
+    out = None
+    if rank == 1:
+        out = native.quantize(flat, bits, threads=threads)
+        if out is None:
+            return None
+        if out.status not in (0, native.AMBIGUOUS_ZERO):
+            return None
+    elif native.quantize_kernel() is None:
+        return None
+    if out is None or out.status != 0:
+        lo, hi, vmin, vmax = _channel_range(flat, rank)
+        _check_finite(x, vmin, vmax)
+        out = native.quantize(flat, bits, (lo, hi), clip=rank > 1, threads=threads)
+        if out is None or out.status != 0:
+            return None
+    return QuantizedBatch(codes=out.codes, lo=out.lo16, scale=out.scale16, bits=bits, shape=shape)
+
+
+def quantize(x: torch.Tensor, bits: int, k: int | float = 1, *, compiled: bool = True,
+             threads: int | None = None) -> QuantizedBatch:
     """Quantize feature maps ``x`` (N, C, H, W) to ``bits`` per value, clipping each channel at rank ``k``.
 
     The range is ``[k-th smallest, k-th largest]`` of each channel (k = 1: min/max; 0 < k < 1: that
-    fraction of H*W values). Costs, for k = 1: two reductions (min, max) and five elementwise passes
-    (subtract, scale, +1/2, two narrowing casts) plus packing; ``x`` is not modified. Values must be
-    finite and within float16 range (a DataError, a ValueError, names the offending sample and channel).
+    fraction of H*W values). ``x`` is not modified. Values must be finite and within float16 range (a
+    DataError, a ValueError, names the offending sample and channel). On the CPU the compiled kernel
+    does the work where it can be built (one pass per channel, plus torch.topk for k > 1);
+    ``compiled=False`` runs the torch ops, the same bytes: for k = 1 two reductions (min, max), a dozen
+    small ops on the (N, C) grid and five elementwise passes (subtract, scale, +1/2, two narrowing
+    casts) plus packing. ``threads``: how many threads the kernel splits the samples between (default
+    torch's intra-op thread count; at most one per 8 samples, as a thread costs about as much to start
+    as a few maps take); no byte depends on it.
     """
     bits = check_bits(bits)
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
@@ -178,15 +231,13 @@ def quantize(x: torch.Tensor, bits: int, k: int | float = 1) -> QuantizedBatch:
     flat = x.detach().reshape(n, c, hw).contiguous()
     if flat.dtype != torch.float32:
         flat = flat.float()
+    if compiled and flat.device.type == "cpu" and n and c:
+        wanted = torch.get_num_threads() if threads is None else threads
+        done = _quantize_compiled(x, flat, bits, rank, (c, h, w), max(1, min(wanted, n // 8)))
+        if done is not None:
+            return done
 
-    if rank == 1:
-        lo, hi = flat.amin(-1), flat.amax(-1)
-        vmin, vmax = lo, hi
-    else:
-        top = flat.topk(rank, dim=-1, largest=True, sorted=True).values
-        bottom = flat.topk(rank, dim=-1, largest=False, sorted=True).values
-        lo, hi = bottom[..., -1], top[..., -1]
-        vmin, vmax = bottom[..., 0], top[..., 0]
+    lo, hi, vmin, vmax = _channel_range(flat, rank)
     _check_finite(x, vmin, vmax)
     lo16, scale16 = _float16_grid(lo, hi, bits)
 

@@ -30,6 +30,7 @@ needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C com
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """Forget the process's loaded kernel and build into ``tmp_path``; restored afterwards."""
     monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_quantize", None)
     monkeypatch.setattr(native, "_looked_up", False)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     return tmp_path
@@ -116,13 +117,13 @@ def test_bad_arguments_are_named() -> None:
 @needs_compiler
 def test_built_once_into_the_cache_folder_and_reused(fresh_kernel, monkeypatch) -> None:
     assert native.kernel() is not None
-    built = list(fresh_kernel.glob("dequantize_moved-*.so"))
+    built = list(fresh_kernel.glob("codec-*.so"))
     assert len(built) == 1 and not list(fresh_kernel.glob("*.so.tmp*"))
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_kernel", None)
     monkeypatch.setattr(native, "_looked_up", False)
     monkeypatch.setattr(native, "build", lambda *a: pytest.fail("rebuilt although the library exists"))
-    assert native.kernel() is not None
+    assert native.kernel() is not None and native.quantize_kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp
 
 
