@@ -41,6 +41,7 @@ from benchmarks._meta import write_result
 from pipeline.codec.quantile import quantize
 from pipeline.context import RunContext
 from pipeline.data.sources import image_folder, synthetic
+from pipeline.executors import executor_for
 from pipeline.executors.dask_build import start_local_cluster
 from pipeline.models.zoo import build_backbone, split_at
 from pipeline.recipe import recipe_from_dict
@@ -122,7 +123,7 @@ def build(root: Path, executor: dict[str, Any] | None, torch_threads: int) -> di
 
     with tempfile.TemporaryDirectory(prefix="bench-dask-store-") as store:
         r = recipe_from_dict(recipe(root, executor))
-        runner = Runner(r, RunContext(catalog=Catalog(store), recipe_name=r.name, recipe=r))
+        runner = Runner(r, RunContext(catalog=Catalog(store), recipe_name=r.name, executor=executor_for(r)))
         before = usage()
         start = time.perf_counter()
         reports = {rep.name: rep for rep in runner.run()}

@@ -70,7 +70,7 @@ def run_recipe(recipe: dict[str, Any], base: Path) -> tuple[Path, Path, dict[str
     r = load_recipe(path)
     out = base / "run"
     ctx = RunContext(catalog=Catalog(base / "store"), output_dir=out, recipe_name=r.name,
-                     recipe_path=str(path), recipe=r)
+                     recipe_path=str(path))
     reports = {rep.name: rep for rep in Runner(r, ctx).run()}
     return path, out, reports
 
