@@ -226,12 +226,12 @@ def _plots(
         for stage, recs in epochs.items()
         if recs and all(_number(r.get("train_loss")) for r in recs)
     }
-    # A pretrained backbone learned other classes (its own data) than the transfer that follows: its
-    # curves get their own row, so no one reads its accuracy as the transfer's.
+    # A pretrained backbone learned its own data (often other classes) before the transfer: its curves
+    # get their own row, so no one reads its accuracy as the transfer's.
     transfer = {s: recs for s, recs in scalar.items() if s in results}
     pretraining = {s: recs for s, recs in scalar.items() if s not in results}
     rows = [(label, group) for label, group in (
-        ("transfer", transfer), ("pretraining, own classes", pretraining)) if group]
+        ("transfer", transfer), ("backbone pretraining", pretraining)) if group]
     if rows:
         fig, axes = plt.subplots(len(rows), 2, figsize=(10, 4 * len(rows)), squeeze=False)
         for (label, group), (ax_loss, ax_acc) in zip(rows, axes, strict=True):

@@ -54,11 +54,11 @@ def test_plots_are_titled_by_what_they_show(runs: tuple[Path, Path]) -> None:
     assert _title(first / "epoch_time.png") == "seconds per epoch: two-stage"
     # The backbone's pretraining learned other classes: its own row, named so, beside the transfer's.
     assert _title(first / "curves.png") == (
-        "training curves: transfer (two_stage); pretraining, own classes (backbone)"
+        "training curves: transfer (two_stage); backbone pretraining (backbone)"
     )
     report = (first / "report.md").read_text()
     assert "![seconds per epoch: two-stage](epoch_time.png)" in report
-    curves = "training curves: transfer (two_stage); pretraining, own classes (backbone)"
+    curves = "training curves: transfer (two_stage); backbone pretraining (backbone)"
     assert f"![{curves}](curves.png)" in report
 
 
