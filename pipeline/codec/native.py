@@ -156,7 +156,7 @@ def _load() -> tuple[Any, Any]:
                       RuntimeWarning, stacklevel=4)
         return None, None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    dequantize_fn.argtypes = [p, i64, i64, i32, i64, i64, i64, p, p, p, p, p, p, i32]
+    dequantize_fn.argtypes = [p, i64, i64, i32, i64, i64, i64, p, p, p, p, p, p, i32, i32]
     dequantize_fn.restype = ctypes.c_int
     quantize_fn.argtypes = [p, i64, i64, i64, i32, p, p, i32, i32, p, p, p, i64, i32, i32, p]
     quantize_fn.restype = ctypes.c_int
@@ -184,12 +184,12 @@ def quantize_kernel() -> Any:
 
 def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
                      shape: tuple[int, int, int], move: Move | None = None, *,
-                     threads: int = 1) -> torch.Tensor | None:
+                     threads: int = 1, isa: int = -1) -> torch.Tensor | None:
     """float32 (N, C, H, W) maps ``lo + code * scale`` from packed ``codes``, or None without the kernel.
 
     ``codes`` uint8 (N, packed bytes), ``lo`` and ``scale`` float16 (N, C): a stored
     :class:`pipeline.codec.quantile.QuantizedBatch`. ``threads`` > 1 splits the samples between
-    that many threads.
+    that many threads. ``isa`` caps the vector width, as for :func:`quantize`.
 
     ``move`` = (dy, dx, flip), one value per sample: output pixel (r, c) of every channel of sample i
     reads stored pixel (r + dy_i, c' + dx_i), c' = c or its mirror when flip_i, and is +0.0 where that
@@ -221,7 +221,7 @@ def dequantize_moved(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
                              f"got shapes {[a.shape for a in arrays]}")
         ptrs = [a.ctypes.data for a in arrays]  # ``arrays`` keeps them alive through the call
     status = fn(codes.data_ptr(), n, row_bytes, bits, c, h, w, lo.data_ptr(), scale.data_ptr(),
-                *ptrs, out.data_ptr(), max(1, int(threads)))
+                *ptrs, out.data_ptr(), max(1, min(64, int(threads))), int(isa))
     if status == -1:
         raise MemoryError("the dequantize kernel could not allocate its per-sample buffers")
     if status != 0:

@@ -24,6 +24,7 @@ from pipeline.codec.quantile import QuantizedBatch, dequantize, quantize
 from pipeline.stages.feature_aug import CropFlip, sample_uniforms
 
 needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+ISAS = (0, 1, 2)  # the baseline build, AVX2, AVX-512 (capped at what the CPU has; one build elsewhere)
 
 
 @pytest.fixture()
@@ -59,17 +60,41 @@ def bits_of(x: torch.Tensor | None) -> torch.Tensor:
     hflip=st.sampled_from([0.0, 0.5, 1.0]),
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
+    isa=st.sampled_from(ISAS),
 )
-def test_kernel_equals_torch_ops(n, c, h, w, bits, padding, hflip, threads, seed) -> None:
+def test_kernel_equals_torch_ops(n, c, h, w, bits, padding, hflip, threads, seed, isa) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, c, h, w, generator=gen) * 3
     q = quantize(x, bits)
     crop = CropFlip.draw(n, h, w, padding, hflip, sample_uniforms(torch.arange(n), seed, 0, 3))
     for move in (None, crop):
         got = native.dequantize_moved(q.codes, q.lo, q.scale, bits, (c, h, w),
-                                      None if move is None else move.move, threads=threads)
+                                      None if move is None else move.move, threads=threads, isa=isa)
         assert got is not None and got.shape == (n, c, h, w) and got.dtype == torch.float32
         assert torch.equal(bits_of(got), bits_of(torch_reference(q, move)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_wide_and_odd_maps_every_move(bits: int) -> None:
+    """Rows around the 16 bytes one shuffle reverses (15, 16, 17, 31, 32, 33, 56 wide), odd code
+    counts, and every shift of a 5-pixel crop with and without a flip, at each vector width."""
+    gen = torch.Generator().manual_seed(bits)
+    for c, h, w in ((3, 2, 15), (2, 3, 16), (3, 3, 17), (1, 2, 31), (2, 1, 32), (1, 3, 33), (2, 4, 56),
+                    (96, 14, 14), (5, 7, 7), (3, 1, 1)):
+        shifts = [(dy, dx) for dy in range(-5, 6) for dx in range(-5, 6)]
+        n = 2 * len(shifts)
+        q = quantize(torch.randn(n, c, h, w, generator=gen), bits)
+        dy = np.array([s[0] for s in shifts] * 2, np.int32)
+        dx = np.array([s[1] for s in shifts] * 2, np.int32)
+        flip = np.repeat([False, True], len(shifts))
+        crop = CropFlip(dy, dx, flip, h, w)
+        want = bits_of(torch_reference(q, crop))
+        for isa in ISAS:
+            for threads in (1, 2):
+                got = native.dequantize_moved(q.codes, q.lo, q.scale, bits, (c, h, w), crop.move,
+                                              threads=threads, isa=isa)
+                assert torch.equal(bits_of(got), want), (c, h, w, isa, threads)
 
 
 @needs_compiler
