@@ -5,6 +5,8 @@
 - :func:`load_recipe` — a recipe file, dict or :class:`~pipeline.recipe.Recipe`, with overrides, validated;
 - :func:`plan` — what a run would compute and what it would reuse, without doing any work;
 - :func:`run` — run a recipe, as ``python -m pipeline run`` does, and get its results back;
+- :func:`update` — rerun a run's recipe on grown data, warm-started from that run's models
+  (``python -m pipeline update RUN_DIR``);
 - :func:`cache_dataset` — a stored cache entry as a torch ``IterableDataset`` for a training loop of
   your own (:mod:`pipeline.data.cache_dataset`).
 
@@ -24,7 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    OutputError,
     PathPermissionError,
+    PipelineError,
     StageError,
     StoreBudgetError,
     Terminated,
@@ -49,7 +53,7 @@ if TYPE_CHECKING:
     from .runner import PlanRow, Runner, StageReport
     from .stages.feature_aug import FeatureAugment
 
-__all__ = ["RunResult", "cache_dataset", "load_recipe", "plan", "run", "run_context"]
+__all__ = ["RunResult", "cache_dataset", "load_recipe", "plan", "run", "run_context", "update"]
 
 
 # ------------------------------------------------------------------------------------ plan, run
@@ -187,6 +191,98 @@ def run(
         stages={r.name: r for r in reports},
         outputs={name: runner.output(name) for name in runner.graph.targets},
     )
+
+
+class NotARunError(PipelineError, ValueError):
+    """``update`` was given a directory that is not a run's (or a run with nothing to update)."""
+
+
+#: ``update``'s default replay share where the recipe sets none (``replay=None`` keeps the recipe's).
+UPDATE_REPLAY = 0.5
+
+
+def update(
+    run_dir: str | Path,
+    overrides: Overrides = None,
+    *,
+    replay: float | str | None = None,
+    epochs: int | None = None,
+    store: str | Path | None = None,
+    max_bytes: int | None = None,
+    output: str | Path | None = None,
+    quiet: bool = False,
+    force: bool = False,
+) -> RunResult:
+    """Rerun the recipe of the run in ``run_dir`` on the data as it is now, each ``finetune`` target
+    warm-started from the model that run trained (``python -m pipeline update RUN_DIR``).
+
+    The recipe is the run's ``recipe.resolved.yaml`` (its overrides applied), with ``overrides`` on
+    top; each finetune target's ``init`` is set to ``run_dir/stages/<target>/model.pt``. New classes in
+    the data grow the head; ``replay`` is the share of each batch drawn from samples of the classes the
+    model knew (``pipeline.methods.warm_start``): a number in [0, 1), ``"off"`` for every sample as
+    it comes, ``None`` for the recipe's setting (0.5 where it has none). ``epochs`` sets the targets'
+    ``train.epochs`` (an update needs fewer than a training from the backbone). The store is the one the
+    run used unless ``store`` is given; the rest is as :func:`run` (a new run directory: ``run_dir``
+    itself is refused, it holds the models the update starts from). Everything stored stays valid: the
+    earlier run's entries are not touched, and a killed update commits nothing partial.
+
+    Example::
+
+        import pipeline
+
+        result = pipeline.update("runs/own-data/20261125-120000", epochs=5)
+        print(result.metrics["accuracy_old_classes"], result.metrics["accuracy_new_classes"])
+    """
+    import json
+
+    from .graph import Graph
+    from .methods.finetune import Finetune
+
+    run_dir = Path(run_dir)
+    recipe_file = run_dir / "recipe.resolved.yaml"
+    if not run_dir.is_dir():
+        raise NotARunError(f"update: {run_dir} is not a directory; give the run directory a run wrote "
+                           "(runs/<recipe>/<time>, or the --output of `python -m pipeline run`)")
+    if not recipe_file.is_file() or not (run_dir / "summary.json").is_file():
+        raise NotARunError(f"update: {run_dir} is not a run directory (it has no recipe.resolved.yaml and "
+                           "summary.json, which every run writes); give the run directory a run wrote "
+                           "(runs/<recipe>/<time>, or the --output of `python -m pipeline run`)")
+    if output is not None and Path(output).resolve() == run_dir.resolve():
+        raise OutputError(f"--output {output} is the run being updated: its model files are what the update "
+                          "starts from; give a new directory")
+    recipe = load_recipe(recipe_file, overrides)
+    targets = [t for t in Graph(recipe).targets if isinstance(recipe.stages[t], Finetune)]
+    if not targets:
+        raise NotARunError(f"update: the run in {run_dir} has no finetune target (its targets: "
+                           f"{', '.join(Graph(recipe).targets)}): nothing to warm-start")
+    if isinstance(replay, str) and replay != "off":
+        raise StageError(f"update: replay {replay!r}: expected a share in [0, 1) or 'off'")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise StageError(f"update: epochs {epochs!r}: expected a whole number >= 1")
+    settings: dict[str, Any] = {}
+    for name in targets:
+        model = run_dir / "stages" / name / "model.pt"
+        if not model.is_file():
+            raise NotARunError(f"update: the run in {run_dir} has no model file for its target {name!r} "
+                               f"({model} is missing: did that run finish?); rerun it first")
+        stage = recipe.stages[name]
+        assert isinstance(stage, Finetune)
+        settings[f"stages.{name}.init"] = str(model.resolve())
+        share = stage.replay if replay is None else None if replay == "off" else replay
+        if replay is None and share is None:
+            share = UPDATE_REPLAY
+        settings[f"stages.{name}.replay"] = share
+        if epochs is not None:
+            settings[f"stages.{name}.train.epochs"] = epochs
+    if store is None:
+        try:
+            stored = json.loads((run_dir / "summary.json").read_text()).get("store")
+        except (OSError, ValueError):
+            stored = None
+        if stored and Path(stored).is_dir():
+            store = stored
+    return run(recipe_file, [*_override_texts(overrides), *_override_texts(settings)], store=store,
+               max_bytes=max_bytes, output=output, quiet=quiet, force=force)
 
 
 def _unused(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m pipeline run|plan|validate|stages|memory|cache ...``.
+"""Command line: ``python -m pipeline run|plan|validate|stages|memory|cache|update ...``.
 
 Exit codes: 0 success, 1 a failure while working (I/O, corrupt data met mid-run),
 2 bad input (recipe, paths, arguments, permissions), 130 interrupted (Ctrl-C), 143 terminated
@@ -73,6 +73,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true",
                      help="replace the run that --output holds (its summary, report, plots and stages/)")
     run.add_argument("--quiet", action="store_true", help="no progress output, only the summary line")
+    upd = sub.add_parser(
+        "update",
+        help="rerun a run's recipe on the data as it is now (new images, new classes), each finetune target "
+        "warm-started from the model that run trained, new samples mixed with a replay of earlier ones",
+    )
+    upd.add_argument("run_dir", metavar="RUN_DIR", help="the run directory to update (runs/<recipe>/<time>)")
+    upd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field of the run's recipe (repeatable)")
+    upd.add_argument("--replay", type=_replay_share, metavar="SHARE",
+                     help="share of each batch drawn from samples of the classes the model knew, 0 <= SHARE "
+                     "< 1, or off (every sample as it comes); default: the recipe's, else 0.5")
+    upd.add_argument("--epochs", type=int, metavar="N", help="training epochs of each updated target "
+                     "(default: the recipe's)")
+    upd.add_argument("--store", help="store directory (default: the one the run used)")
+    upd.add_argument("--max-bytes", type=parse_size, metavar="SIZE", help="store budget, as for run")
+    upd.add_argument("--output", help="run directory of the update (default runs/<recipe>/<timestamp>)")
+    upd.add_argument("--force", action="store_true", help="replace the run that --output holds")
+    upd.add_argument("--quiet", action="store_true", help="no progress output, only the summary line")
     plan = sub.add_parser("plan", help="show the stage graph, fingerprints, and what is stored; no work done")
     recipe_args(plan)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
@@ -202,6 +220,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _replay_share(text: str) -> float | str:
+    if text == "off":
+        return text
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 1:
+        raise argparse.ArgumentTypeError(f"expected a share 0 <= SHARE < 1, or off; got {text!r}")
+    return share
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    from .api import update
+
+    result = update(
+        args.run_dir, args.overrides, replay=args.replay, epochs=args.epochs, store=args.store,
+        max_bytes=args.max_bytes, output=args.output, quiet=args.quiet, force=args.force,
+    )
+    for name, metrics in result.outputs.items():
+        if not isinstance(metrics, dict) or "init" not in metrics:
+            continue
+        old, new, before = (metrics.get(k) for k in
+                            ("accuracy_old_classes", "accuracy_new_classes", "init_accuracy_old_classes"))
+        added = metrics["init"].get("classes_added") or []
+        parts = [f"{name}: accuracy {metrics['accuracy']:.3f}"]
+        if old is not None:
+            parts.append(f"known classes {before:.3f} -> {old:.3f}" if before is not None
+                         else f"known classes {old:.3f}")
+        if new is not None:
+            parts.append(f"new classes ({', '.join(map(str, added))}) {new:.3f}")
+        print("; ".join(parts))
+    print(result.summary_line)
+    return EXIT_OK
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     from .memory_report import memory_report
     from .recipe import load_recipe
@@ -242,7 +296,7 @@ def cmd_new(args: argparse.Namespace) -> int:
 # Commands that only read recipes: they need pyyaml and pydantic, nothing heavier.
 RECIPE_ONLY_COMMANDS = frozenset({"validate", "stages", "new"})
 # Commands that build store entries: an interruption of one says what becomes of its partial work.
-BUILDING_COMMANDS = frozenset({"run", "sweep", "choose"})
+BUILDING_COMMANDS = frozenset({"run", "update", "sweep", "choose"})
 # What every other command imports once it starts working. Checked first, so a half-installed
 # Python gets the setup message before a stage has run, not after an hour of training.
 RUNTIME_MODULES = ("torch", "torchvision", "zarr", "numcodecs", "tqdm")
@@ -261,6 +315,7 @@ def _check_runtime() -> None:
 
 COMMANDS = {
     "run": cmd_run,
+    "update": cmd_update,
     "plan": cmd_plan,
     "validate": cmd_validate,
     "stages": cmd_stages,

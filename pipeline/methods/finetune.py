@@ -11,6 +11,10 @@ Both evaluate the same function (bottom then top) on un-augmented data.
 parameter of the top), the FT-Last / FT-Norm+Last / FT-Full baselines, MobileTL or TinyTL.
 It is applied to the top, after the cut, so every method trains from a cache as well as
 from images. Each trainer logs its training-memory footprint (``pipeline.models.memory``).
+
+``init`` starts the top from an earlier model file instead of the backbone's (a model update:
+``pipeline.methods.warm_start``), its head grown for classes it did not know, and ``replay`` mixes
+samples of the classes it knew into every batch of new ones.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pydantic import Field, field_validator
 
 from ..deploy.model_file import MODEL_FILE, save_transfer_model
 from ..device import out_of_memory
-from ..errors import ModelError, StageError
+from ..errors import DataError, ModelError, StageError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, check_cut, seeded_net, structure
 from ..models.weights import load_weights
@@ -38,6 +42,20 @@ from .amp import check_precision
 from .checkpoint import CHECKPOINT_FILE
 from .graphed import check_cuda_graph, graph_refusal
 from .trainer import TrainConfig, evaluate, train
+from .warm_start import (
+    ClassPlan,
+    InitError,
+    InitSource,
+    KeepColumns,
+    Replay,
+    UpdateReport,
+    count_classes,
+    locate_init,
+    of_classes,
+    plan_init,
+    read_init,
+    warm_start,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +107,14 @@ class Finetune(Stage):
     # sit idle.
     prefetch: int = Field(0, ge=0, description="training batches prepared on a background thread, "
                           "running on into the next epoch while one ends (GPU training; 0: training thread)")
+    init: str | None = Field(
+        None, description="start from an earlier model instead of the backbone's head: a model file a run "
+        "wrote (<run>/stages/<stage>/model.pt) or a stored finetune result's fingerprint (prefix); new "
+        "classes grow the head; identified by the file's content, not its path")
+    replay: float | None = Field(
+        None, ge=0, lt=1, description="with init: the share of each batch drawn from earlier samples (those "
+        "of the classes init was trained on); an epoch is one pass over the new classes' samples. Unset: "
+        "every training sample, as without init")
     seed: int = 0
 
     @field_validator("method", mode="before")
@@ -182,8 +208,67 @@ class Finetune(Stage):
         fp.extra.update({"train_last_blocks": n, "method_details": adapted.details})
         return fp
 
+    # --- warm start (init, replay): pipeline.methods.warm_start ------------------------------------
+    def fingerprint_config(self) -> dict[str, Any]:
+        """``init`` is identified by the model file's content (``identity``), not by where it is: the same
+        model given by its path or by its stored result's fingerprint trains the same entry."""
+        config = super().fingerprint_config()
+        config.pop("init", None)
+        return config
+
+    def identity(self, ctx: RunContext) -> str | None:
+        if self.init is None:
+            return None
+        from ..stages.model import file_sha256
+
+        return f"init-model:{file_sha256(self._init_source(ctx).path)}"
+
+    def _init_source(self, ctx: RunContext | None) -> InitSource:
+        assert self.init is not None
+        return locate_init(self.init, ctx.catalog if ctx is not None else None)
+
+    def _class_names(self, data: Spec) -> list[str]:
+        names = data.class_names
+        if names is None or len(names) != data.num_classes:
+            return [str(i) for i in range(data.num_classes)]
+        return [str(n) for n in names]
+
+    def _init_plan(self, description: Mapping[str, Any], source: InitSource, inputs: Mapping[str, Spec],
+                   n: int, net: BlockNet) -> ClassPlan:
+        """How the init model fits this stage (InitError, naming both, where it does not)."""
+        data = inputs["features" if self.mode == "two_stage" else "images"]
+        return plan_init(description, source, model=inputs["model"].model, model_name=self.model,
+                         train_last_blocks=n, top_input_shape=self._top_input_shape(inputs, net, n),
+                         resolution=data.resolution, method=self.method.model_dump(mode="json"),
+                         class_names=self._class_names(data), head=type(zoo.final_layer(net)[1]))
+
+    def _check_replay(self) -> None:
+        if self.replay is None:
+            return
+        if self.init is None:
+            raise StageError(f"replay: {self.replay} mixes earlier samples into each batch of new ones; "
+                             "it needs init: (the model trained on the earlier ones): set init, or remove "
+                             "replay")
+        earlier = int(round(self.replay * self.batch_size))
+        if earlier >= self.batch_size or (self.replay > 0 and earlier == 0):
+            raise StageError(f"replay: {self.replay} of batch_size {self.batch_size} is {earlier} earlier "
+                             "samples per batch, which leaves "
+                             + ("no new one" if earlier >= self.batch_size else "the share at zero")
+                             + ": choose a replay share or a batch_size that leaves both kinds in each batch")
+
+    def plan_note(self, call: StageCall) -> str | None:
+        if self.init is None:
+            return None
+        replay = f", replay {self.replay:g}" if self.replay is not None else ""
+        return f"warm start from {self.init}{replay}"
+
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         n = self._cut(inputs, inputs.parent("model"))
+        self._check_replay()
+        if self.init is not None:
+            source = self._init_source(ctx)
+            _state, description = read_init(source)
+            self._init_plan(description, source, inputs, n, structure(ArchConfig.of(inputs["model"])))
         if self.method != DEFAULT_METHOD:
             # check_method only reads the blocks' structure
             blocks = list(structure(ArchConfig.of(inputs["model"])).blocks)
@@ -247,6 +332,7 @@ class Finetune(Stage):
         net = model_value.build(seed=self.seed)  # as if seeded, then constructed
         shape = self._top_input_shape(specs, net, n)
         bottom, top, adapted = self.prepare(net, n, stream.spec.num_classes, shape)
+        update = self._warm_start(ctx, name, specs, n, net, bottom, top) if self.init is not None else None
         trained = top if self.mode == "two_stage" else zoo.FrozenBottomNet(bottom, top)
         device = ctx.torch_device
         trained.to(device)
@@ -262,7 +348,10 @@ class Finetune(Stage):
             self.train.model_copy(update={"precision": self.precision})
         # A step captured as a CUDA graph can decode the stored codes itself: the training batches then
         # stay coded (and resident on the GPU) up to the step, and the decoding is captured with it.
-        coded = (self.mode == "two_stage" and cfg.cuda_graph != "off" and hasattr(stream, "open_coded")
+        replay = self._replay(ctx, stream, update, name) if update is not None else None
+        # (replay mixes decoded batches: the coded path is for plain epochs)
+        coded = (replay is None and self.mode == "two_stage" and cfg.cuda_graph != "off"
+                 and hasattr(stream, "open_coded")
                  and graph_refusal(device, cfg.precision, cfg.optimizer) is None)
 
         def train_batches(epoch: int) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -271,6 +360,8 @@ class Finetune(Stage):
                 return (({k: v for k, v in b.items() if k != "y"}, b["y"])
                         for b in rechunk(stored, self.batch_size))
             batches = stream.open("train", epoch=epoch, shuffle=True, seed=self.seed)
+            if replay is not None:
+                return replay.batches(xy(rechunk(batches, self.batch_size)), epoch)
             return xy(rechunk(batches, self.batch_size))
 
         def eval_batches(split: str = "val") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -283,8 +374,14 @@ class Finetune(Stage):
                 f"val acc {record['val_acc']:.3f} ({record['epoch_seconds']:.2f}s)"
             )
 
+        test_split = "test" if "test" in stream.spec.splits else "val"
+        if update is not None:  # what the init model itself gets right on the classes it knew
+            update.extra["init_accuracy_old_classes"] = self._accuracy_of(
+                KeepColumns(trained, update.plan.old), eval_batches(test_split), update.plan.old)
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
+        if replay is not None:
+            steps = replay.steps()
         result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
                        on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch,
                        resume_key=call.fingerprint, bars=ctx.progress, label=name,
@@ -294,9 +391,13 @@ class Finetune(Stage):
         # Report the test accuracy of the checkpoint chosen on validation data.
         state, _ = load_weights(out_dir / BEST_FILE)
         trained.load_state_dict(state)
-        test_split = "test" if "test" in stream.spec.splits else "val"
         try:
             _, test_acc, test_n = evaluate(trained, eval_batches(test_split), precision=self.precision)
+            if update is not None:
+                update.extra["accuracy_old_classes"] = self._accuracy_of(
+                    trained, eval_batches(test_split), update.plan.old)
+                update.extra["accuracy_new_classes"] = self._accuracy_of(
+                    trained, eval_batches(test_split), update.plan.added)
         except torch.OutOfMemoryError as exc:
             raise out_of_memory(exc, stage=name, batch_size=self.eval_batch_size, device=device,
                                 setting=f"stages.{name}.eval_batch_size",
@@ -307,7 +408,7 @@ class Finetune(Stage):
         save_transfer_model(ctx, call, bottom=bottom, top=top, arch=model_value.config, train_last_blocks=n,
                             top_input_shape=shape, method=self.method, resolution=stream.spec.resolution,
                             data_field="features" if self.mode == "two_stage" else "images",
-                            notes=self.model_notes(specs), directory=out_dir)
+                            notes=self._notes(specs, update), directory=out_dir)
         epoch_times = [h["epoch_seconds"] for h in result.history]
         quantization = specs["features"].quantization if self.mode == "two_stage" else None
         metrics = {
@@ -339,4 +440,60 @@ class Finetune(Stage):
             "epochs": self.train.epochs,
             "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
         }
+        if update is not None:
+            metrics.update(update.metrics())
         return metrics
+
+    def _notes(self, specs: dict[str, Spec], update: UpdateReport | None) -> dict[str, Any]:
+        notes = self.model_notes(specs)
+        if update is not None:  # what the model file was warm-started from (only then: same bytes as before)
+            notes = {**notes, "warm_start": {"init_model_sha256": update.sha256, **update.plan.summary(),
+                                             "replay": self.replay}}
+        return notes
+
+    def _warm_start(self, ctx: RunContext, name: str, specs: Mapping[str, Spec], n: int, net: BlockNet,
+                    bottom: torch.nn.Module, top: TopNet) -> UpdateReport:
+        """Load the init model into the fresh network (``warm_start``), checked as resolving checked it."""
+        from ..models.weights import state_dict_hash
+        from ..stages.model import file_sha256
+
+        source = self._init_source(ctx)
+        sha = file_sha256(source.path)
+        state, description = read_init(source)
+        plan = self._init_plan(description, source, specs, n, net)
+        warm_start(bottom, top, state, plan, source, self.model)
+        start = {**{f"bottom.{k}": v for k, v in bottom.state_dict().items()},
+                 **{f"top.{k}": v for k, v in top.state_dict().items()}}
+        added = ", ".join(plan.names[i] for i in plan.added)
+        ctx.progress.log(f"[{name}] warm start from {source.describe()}: {len(plan.kept)} classes kept"
+                         + (f", {len(plan.added)} added ({added})" if added else ""))
+        return UpdateReport(source, sha, plan, start_state_sha256=state_dict_hash(start))
+
+    def _replay(self, ctx: RunContext, stream: Stream, update: UpdateReport, name: str) -> Replay | None:
+        """The replay mix (None: no replay asked, or no new class to set apart from earlier samples)."""
+        if self.replay is None:
+            return None
+        if not update.plan.added:
+            ctx.progress.log(f"[{name}] replay: every class was in init's training data, so no sample is "
+                             "new; training on every sample")
+            return None
+        counts = count_classes(xy(rechunk(stream.open("train"), self.eval_batch_size)), update.plan.old)
+        if counts[0] == 0 and self.replay > 0:
+            known = ", ".join(update.plan.names[i] for i in update.plan.old)
+            raise InitError(f"replay: the training data has no sample of the classes init knew ({known}): "
+                            "nothing to replay; remove replay, or keep those classes in the data")
+        update.replay = Replay(self.replay, self.batch_size, update.plan.old, self.seed, counts)
+        r = update.replay
+        ctx.progress.log(f"[{name}] replay: {counts[1]} new and {counts[0]} earlier samples; each batch "
+                         f"{r.new_per_batch} new + {r.old_per_batch} earlier, {r.steps()} steps per epoch")
+        return r
+
+    def _accuracy_of(self, model: torch.nn.Module, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                     classes: tuple[int, ...]) -> float | None:
+        """Accuracy on the samples of ``classes`` (None: there are none)."""
+        if not classes:
+            return None
+        try:
+            return evaluate(model, of_classes(batches, classes), precision=self.precision)[1]
+        except DataError:  # no test sample of those classes
+            return None
