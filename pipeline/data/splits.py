@@ -1,20 +1,28 @@
-"""Class selection, stratified train/val/test carving and few-shot caps.
+"""Class selection, stratified train/val/test carving and few-shot caps, stable as data arrives.
 
-Every random choice is drawn per original class from ``(seed, class index)``, so:
-the same seed gives the same split; selecting a different set of classes (source
-vs target classes of one dataset) leaves each shared class's split unchanged; the
-test samples do not move when ``val_fraction`` changes; and a smaller ``per_class``
-is a subset of a larger one (few-shot curves compare like with like).
+Every choice about a sample is drawn from ``(seed, the sample's content key)`` alone
+(:meth:`~pipeline.data.sampleset.SampleSet.sample_keys`), never from its position or from the other
+samples, so a dataset that grows or shrinks never moves a sample it kept from one split to another
+(on a device the data keeps arriving: a stored cache of the old samples stays valid for them). From
+the same rule: the same seed gives the same split; selecting a different set of classes leaves each
+shared class's split unchanged; the test samples do not move when ``val_fraction`` changes; and a
+smaller ``per_class`` is a subset of a larger one (few-shot curves compare like with like).
 
-The train split is stored in a seeded random order (``shuffle_train``): a source that
-lists samples class by class (``image_folder`` walks one folder per class) would
-otherwise reach a cache class-sorted, and the cache reader, which shuffles chunks and
-samples within a window of chunks (large sequential reads for slow storage), would
-then feed batches of one or two classes. val and test keep the source's order.
+The price of stability: a fraction is a probability per sample, not an exact count per class (a
+class of 100 samples at ``val_fraction: 0.2`` gets about 20). Samples with equal content (one image
+copied into two files) share a key and so a split.
+
+Each carved split is in an order drawn the same way (``shuffle_train`` for train): a source that
+lists samples class by class (``image_folder`` walks one folder per class) would otherwise reach a
+cache class-sorted, and the cache reader, which shuffles chunks and samples within a window of chunks
+(large sequential reads for slow storage), would then feed batches of one or two classes. An order by
+key also places a new sample among the old ones without reordering them. Official splits (a
+dataset's own test or val set) keep their source's order.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,13 +30,23 @@ import numpy as np
 from ..errors import DataError
 from .sampleset import SampleSet
 
-# Stream of the train order's permutation, apart from the per-class streams (seed, class).
-_TRAIN_ORDER_STREAM = 1 << 32
+# What each per-sample draw decides: independent numbers from one key, one stream each.
+_SPLIT, _CAP, _ORDER = "split", "cap", "order"
 
 
-def _count(fraction: float, n: int) -> int:
-    """Round half up (Python's round() would round 2.5 to 2 and 3.5 to 4)."""
-    return int(np.floor(fraction * n + 0.5))
+def draws(keys: np.ndarray, seed: int, stream: str) -> np.ndarray:
+    """A number in [0, 1) per content key, a function of ``(seed, stream, key)`` alone."""
+    salt = f"{seed}/{stream}".encode()
+    out = np.empty(len(keys), np.float64)
+    for i, key in enumerate(keys):
+        digest = hashlib.blake2b(bytes(key), digest_size=8, key=salt[:64]).digest()
+        out[i] = int.from_bytes(digest, "little") / 2.0**64
+    return out
+
+
+def in_key_order(indices: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``indices`` sorted by their draw in ``order`` (ties, i.e. equal content: by index)."""
+    return indices[np.lexsort((indices, order[indices]))]
 
 
 def _relabel_map(num_classes: int, classes: Sequence[int]) -> np.ndarray:
@@ -82,13 +100,14 @@ def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_cl
     """Select classes, carve stratified val/test from ``train``, cap train per class.
 
     - ``classes`` (None = all) are relabelled 0..k-1 in the given order.
-    - ``test``: the official test split if present and ``use_official_test``, else
-      ``test_fraction`` of each class of train (no test if that is 0).
-    - ``val``: ``val_fraction`` of each class of train (an official ``val`` split is
+    - ``test``: the official test split if present and ``use_official_test``, else each
+      sample of train with probability ``test_fraction`` (no test if that is 0).
+    - ``val``: each sample with probability ``val_fraction`` (an official ``val`` split is
       used instead when present and ``use_official_test``); omitted if the fraction is 0.
     - ``train``: the rest, capped at ``per_class`` samples per class; val/test are not capped.
-      In a random order drawn from ``seed`` if ``shuffle_train``, else in the source's order.
-    Each class keeps at least one train sample when it has any. No sample is in two splits.
+      In an order drawn from ``seed`` if ``shuffle_train``, else in the source's order.
+    Every draw is per sample, from ``seed`` and its content key (the module's docstring). Each
+    class keeps at least one train sample when it has any. No sample is in two splits.
     """
     order = _check_args(sets, classes, per_class, val_fraction, test_fraction)
     train = sets["train"]
@@ -97,21 +116,25 @@ def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_cl
     carve_test = 0.0 if official_test else test_fraction
     carve_val = 0.0 if official_val else val_fraction
 
+    keys = train.sample_keys()
+    u, cap, placed = draws(keys, seed, _SPLIT), draws(keys, seed, _CAP), draws(keys, seed, _ORDER)
     picked: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
     for c in order:
         members = np.flatnonzero(train.labels == c)
-        members = members[np.random.default_rng([seed, c]).permutation(len(members))]
-        n = len(members)
-        n_test, n_val = _count(carve_test, n), _count(carve_val, n)
-        while n > 0 and n - n_test - n_val < 1:  # keep one train sample: shrink the larger held-out part
-            if n_val >= n_test:
-                n_val -= 1
-            else:
-                n_test -= 1
-        picked["test"].append(members[:n_test])
-        picked["val"].append(members[n_test:n_test + n_val])
-        rest = members[n_test + n_val:]
-        picked["train"].append(rest if per_class is None else rest[:per_class])
+        uc = u[members]
+        test = uc < carve_test
+        val = (uc >= carve_test) & (uc < carve_test + carve_val)
+        rest = ~(test | val)
+        if len(members) and not rest.any():  # keep one train sample: the one drawn nearest to train
+            last = int(np.argmax(uc))
+            test[last] = val[last] = False
+            rest[last] = True
+        picked["test"].append(members[test])
+        picked["val"].append(members[val])
+        kept = members[rest]
+        if per_class is not None:  # the cap keeps the samples with the lowest draws: a subset as it grows
+            kept = kept[np.lexsort((kept, cap[kept]))][:per_class]
+        picked["train"].append(kept)
 
     remap = _relabel_map(len(train.class_names), order)
     names = [train.class_names[c] for c in order]
@@ -119,9 +142,9 @@ def make_splits(sets: dict[str, SampleSet], *, classes: list[int] | None, per_cl
     wanted = {"train": True, "val": val_fraction > 0 and not official_val, "test": carve_test > 0}
     for split, parts in picked.items():
         if wanted[split]:
-            idx = np.sort(np.concatenate(parts))
-            if split == "train" and shuffle_train:
-                idx = idx[np.random.default_rng([seed, _TRAIN_ORDER_STREAM]).permutation(len(idx))]
+            idx = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            if split != "train" or shuffle_train:
+                idx = in_key_order(idx, placed)
             out[split] = train.subset(idx, labels=remap[train.labels[idx]], class_names=names,
                                       name=f"{train.name}[{split}]")
     if official_val:

@@ -20,11 +20,15 @@ class Split(Stage):
     """Select ``classes`` (relabelled 0..k-1 in that order), cap train samples per class, carve val/test.
 
     The official test split is kept as ``test`` when the dataset has one and
-    ``use_official_test`` is set; otherwise ``test_fraction`` of the data becomes test.
+    ``use_official_test`` is set; otherwise each sample becomes test with probability ``test_fraction``.
+    A sample's split is drawn from its own content (and ``seed``), so samples that arrive or leave
+    never move another one between splits.
     """
 
     type_name: ClassVar[str] = "split"
-    version: ClassVar[int] = 2  # 2: train split in a seeded random order (shuffle_train)
+    # 2: train split in a seeded random order (shuffle_train)
+    # 3: every draw per sample from its content key (pipeline/data/splits.py): splits stay put as data arrives
+    version: ClassVar[int] = 3
     kind: ClassVar[str] = DATASET
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}
 
