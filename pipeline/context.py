@@ -19,7 +19,6 @@ from .device import resolve_device
 from .progress import Progress
 
 if TYPE_CHECKING:
-    from .recipe import Recipe
     from .spec import Spec
 
 
@@ -49,10 +48,6 @@ class RunContext:
     recipe_name: str = "recipe"
     recipe_path: str | None = None
     progress: Progress = field(default_factory=lambda: Progress(quiet=True))
-    # Read by nothing any more: stages are given what they may know of the run (pipeline.stage:
-    # StageInputs, StageCall) and an executor holds the recipe it was made for. Accepted while
-    # callers still pass it.
-    recipe: Recipe | None = None
     # Where cache entries are built when not in this process (None: here). The caller makes it
     # from recipe.executor (pipeline.executors.executor_for); stages call it instead of importing
     # an executor.

@@ -173,7 +173,6 @@ def _context(recipe: Recipe, catalog: Catalog, *, output: Path | None, quiet: bo
             recipe_name=recipe.name,
             recipe_path=recipe.source,
             progress=Progress(quiet=quiet),
-            recipe=recipe,
             executor=executor_for(recipe),
         )
     except RecipeError as exc:  # run.device names a GPU this machine lacks: say which recipe asks for it

@@ -142,7 +142,7 @@ def recipe_samples(loaded: LoadedModel, recipe_path: Path, overrides: list[str],
                           f"stages: {', '.join(datasets)} (pick one with --data STAGE)")
     with tempfile.TemporaryDirectory(prefix="evaluate-") as scratch:  # dataset stages store nothing
         ctx = RunContext(catalog=Catalog(scratch), seed=recipe.seed, recipe_name=recipe.name,
-                         recipe_path=str(recipe_path), recipe=recipe)
+                         recipe_path=str(recipe_path))
         value = _materialize(recipe, name, ctx, {})
     where = f"recipe {recipe_path}, stage {name}"
     chosen = _pick_split(list(value.splits), split, where)

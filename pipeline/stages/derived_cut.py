@@ -29,7 +29,7 @@ partitioned build forms the batches an uninterrupted one forms.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError
@@ -129,14 +129,6 @@ def plan_note(spec: Spec) -> str:
     assert source is not None and cut is not None
     blocks = blocks_run(*source.blocks) + ("" if source.ran_blocks else " (the stored cut itself)")
     return f"cut {source.train_last_blocks} -> {cut.train_last_blocks}: {blocks} on `{source.stream}`"
-
-
-def blocks_ran(derived_from: Derivation | Mapping[str, Any]) -> bool:
-    """Whether a derivation ran any block (the deepest cut of a cut sweep reads its own stored features);
-    ``derived_from`` typed, or as a spec's meta holds it."""
-    if not isinstance(derived_from, Derivation):
-        derived_from = Derivation.from_meta(derived_from)
-    return derived_from.ran_blocks
 
 
 def blocks_run(first: int, stop: int) -> str:

@@ -24,7 +24,6 @@ from ..recipe import Recipe
 from ..resolve import RecipeLike, load_checked, load_recipe
 from ..runner import PlanRow
 from ..spec import MODEL, RESULT, STREAM
-from ..stages.derived_cut import blocks_ran
 from .grid import Axis, GridError, axes_from, axes_of_points, check_keys, combinations, sample
 
 # Stage types that run a frozen bottom over their input stream: what "a frozen forward" counts.
@@ -219,7 +218,8 @@ def category(recipe: Recipe, row: PlanRow) -> str | None:
             return "forward"
         # From stored features at a deeper cut it runs only the blocks between the cuts: none at that
         # cut itself (the deepest variant of a cut sweep reads its own stored features).
-        return "derivation" if blocks_ran(row.spec.meta["derived_from"]) else None
+        derivation = row.spec.derivation
+        return "derivation" if derivation is not None and derivation.ran_blocks else None
     if row.kind == RESULT:
         return "training"
     if stage.cacheable and row.kind == STREAM:
