@@ -46,10 +46,10 @@ from .warm_start import (
     ClassPlan,
     InitError,
     InitSource,
-    KeepColumns,
     Replay,
     UpdateReport,
     count_classes,
+    keep_columns,
     locate_init,
     of_classes,
     plan_init,
@@ -377,7 +377,7 @@ class Finetune(Stage):
         test_split = "test" if "test" in stream.spec.splits else "val"
         if update is not None:  # what the init model itself gets right on the classes it knew
             update.extra["init_accuracy_old_classes"] = self._accuracy_of(
-                KeepColumns(trained, update.plan.old), eval_batches(test_split), update.plan.old)
+                keep_columns(trained, update.plan.old), eval_batches(test_split), update.plan.old)
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
         if replay is not None:

@@ -29,6 +29,7 @@ and every sample trains as without replay.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -269,20 +270,28 @@ def warm_start(bottom: nn.Module, top: nn.Module, state: Mapping[str, torch.Tens
     return plan.summary()
 
 
-class KeepColumns(nn.Module):
+def keep_columns(model: nn.Module, columns: Sequence[int]) -> nn.Module:
     """``model``'s logits with only ``columns`` in the running (the others at -inf): the init model's own
     prediction, made by the warm-started network before it trains (its rows are the init model's)."""
+    return _keep_columns_type()(model, columns)
 
-    def __init__(self, model: nn.Module, columns: Sequence[int]) -> None:
-        super().__init__()
-        self.model = model
-        self.columns = list(columns)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        mask = torch.full((logits.shape[-1],), float("-inf"), device=logits.device, dtype=logits.dtype)
-        mask[self.columns] = 0
-        return logits + mask
+@functools.cache
+def _keep_columns_type() -> type[nn.Module]:
+    # Defined on first use: recipes load (and validate) where torch is not installed.
+    class KeepColumns(nn.Module):
+        def __init__(self, model: nn.Module, columns: Sequence[int]) -> None:
+            super().__init__()
+            self.model = model
+            self.columns = list(columns)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.model(x)
+            mask = torch.full((logits.shape[-1],), float("-inf"), device=logits.device, dtype=logits.dtype)
+            mask[self.columns] = 0
+            return logits + mask
+
+    return KeepColumns
 
 
 def of_classes(batches: Iterable[tuple[torch.Tensor, torch.Tensor]],

@@ -17,9 +17,9 @@ from pipeline.methods.warm_start import (
     ClassPlan,
     InitError,
     InitSource,
-    KeepColumns,
     Replay,
     count_classes,
+    keep_columns,
     locate_init,
     of_classes,
     plan_init,
@@ -113,7 +113,7 @@ def test_keep_columns_predicts_among_the_known_classes_only() -> None:
         model.bias.copy_(torch.tensor([0.0, 1.0, 5.0, 2.0]))
     x = torch.zeros(2, 3)
     assert model(x).argmax(1).tolist() == [2, 2]
-    assert KeepColumns(model, [0, 1, 3])(x).argmax(1).tolist() == [3, 3]
+    assert keep_columns(model, [0, 1, 3])(x).argmax(1).tolist() == [3, 3]
 
 
 # ------------------------------------------------------------------------------------ class plans
