@@ -125,7 +125,9 @@ def render(result: Result, results_dir: Path) -> Rendered:
     grouped_bars(ax, [f"{b} bit" for b in bits], series)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     targets = data.get("targets", {})
-    for key, color in (("quantize_us_per_map", "tab:blue"), ("dequantize_crop_flip_us_per_map", "tab:green")):
+    # the colours of the kernel's bars in each direction
+    for key, color in (("quantize_us_per_map", "tab:blue"),
+                       ("dequantize_crop_flip_us_per_map", "tab:purple")):
         if isinstance(targets.get(key), (int, float)):
             ax.axhline(targets[key], color=color, ls="--", lw=1)
     ax.set_ylabel("µs per map (min over rounds)")
