@@ -1,5 +1,6 @@
 """The results page's section for ``mixed_precision_cut.json`` (``benchmarks/bench_mixed_precision_cut.py``):
-the mixed-precision robustness search and cut."""
+the partition search's pick against the best cut, retrained, per recipe and seed, and the agreement plot
+(the search's score of every cut against that cut's retrained accuracy)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from matplotlib.figure import Figure
 
 from .common import (
     DASH,
-    Check,
     Rendered,
     Result,
     acc,
@@ -25,22 +25,37 @@ from .common import (
 RESULTS = ("mixed_precision_cut",)
 
 
-def _mp_plot(results: list[dict[str, Any]]) -> Figure:
-    fig = new_figure(4 * len(results), 3.4)
+def _points(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else DASH
+
+
+def agreement_plot(results: list[dict[str, Any]]) -> Figure:
+    """Per recipe: every cut of every seed as (search score, retrained accuracy); the pick starred."""
+    fig = new_figure(4.6 * len(results), 4.2)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
     for i, r in enumerate(results):
         ax = fig.add_subplot(1, len(results), i + 1)
-        curve = sorted(r["exhaustive"], key=lambda e: e["layers_below"])
-        xs = [e["layers_below"] for e in curve]
-        ax.plot(xs, [100 * e["fp32_accuracy"] for e in curve], "o-", label="fp32 top")
-        ax.plot(xs, [100 * e["bf16_accuracy"] for e in curve], "s-", label="bf16 top")
-        chosen = r.get("empirical", {}).get("bf16_accuracy_at_selected_cut")
-        if isinstance(chosen, (int, float)):
-            ax.axhline(100 * chosen, color="grey", ls="--", lw=1, label="at selected cut")
-        ax.set_xlabel("frozen layers below the cut")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(r["arch"], fontsize=10)
+        lo, hi = 100.0, 0.0
+        for j, s in enumerate(r["seeds"]):
+            color = colors[j % len(colors)]
+            rows = [c for c in s["cuts"] if isinstance(c.get("probe_score"), (int, float))]
+            xs = [100 * c["probe_score"] for c in rows]
+            ys = [100 * c["retrained_accuracy"] for c in rows]
+            ax.scatter(xs, ys, s=18, color=color, label=f"seed {s['seed']}")
+            for c, x, y in zip(rows, xs, ys, strict=True):
+                ax.annotate(str(c["train_last_blocks"]), (x, y), fontsize=6, xytext=(3, -3),
+                            textcoords="offset points", color=color)
+            pick = next((c for c in rows if c["train_last_blocks"] == s["pick"]["train_last_blocks"]), None)
+            if pick is not None:
+                ax.scatter([100 * pick["probe_score"]], [100 * pick["retrained_accuracy"]], marker="*", s=170,
+                           color=color, edgecolors="black", linewidths=0.6, zorder=3)
+            lo, hi = min([lo, *xs, *ys]), max([hi, *xs, *ys])
+        ax.plot([lo, hi], [lo, hi], color="grey", ls=":", lw=1, label="score = accuracy")
+        ax.set_xlabel("search score: probe's target val accuracy (%)")
+        ax.set_ylabel("retrained test accuracy, int8 + bf16 (%)")
+        ax.set_title(f"{r['arch']}: score vs retrained, per cut (★ pick)", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -49,32 +64,26 @@ def render(result: Result, results_dir: Path) -> Rendered:
     data = result.data
     results = rows_of(data, "results")
     summary = []
-    checks = []
     commands = []
     for r in results:
-        part, emp, fin, cost = r["partition"], r.get("empirical", {}), r.get("final", {}), r.get("cost", {})
-        mean = fin.get("mean", {})
-        summary.append(
-            [
-                cell(r["arch"]),
-                f"{cell(part['cut_layer'])} (tlb {num(part.get('train_last_blocks'))})",
-                num(part.get("quantized_layers")),
-                f"{num(cost.get('search_evaluations'))} / {num(cost.get('search_seconds'))}",
-                f"{num(cost.get('exhaustive_trainings'))} / {num(cost.get('exhaustive_seconds'))}",
-                f"tlb {num(emp.get('best_fp32_cut'))} / {num(emp.get('best_bf16_cut'))}",
-                acc(mean.get("mixed")),
-                acc(mean.get("bf16_only")),
-                acc(mean.get("fp32")),
-                acc(emp.get("cut_before_classifier_bf16")),
-            ]
-        )
-        if isinstance(fin.get("int8_within_delta_of_bf16_only"), bool):
-            checks.append(
-                Check(
-                    f"{r['arch']}: int8 bottom + bf16 top within δ={num(r.get('delta'))} of bf16-only",
-                    fin["int8_within_delta_of_bf16_only"],
-                    "target",
-                )
+        for s in r["seeds"]:
+            q, f, part = s["quantization_only"], s["final"], s["partition"]
+            summary.append(
+                [
+                    cell(r["arch"]),
+                    num(s["seed"]),
+                    num(s["pick"]["train_last_blocks"]),
+                    acc(s["pick"]["retrained_accuracy"]),
+                    num(s["best"]["train_last_blocks"]),
+                    acc(s["best"]["retrained_accuracy"]),
+                    _points(s["gap_points"]),
+                    f"{num(q['train_last_blocks'])} / {_points(q['gap_points'])}",
+                    num(s.get("rank_correlation")),
+                    acc(f["mixed"]),
+                    acc(f["bf16_only"]),
+                    acc(f["fp32"]),
+                    f"{num(part.get('quantization_seconds'))} + {num(part.get('probe_seconds'))}",
+                ]
             )
         command = r.get("settings", {}).get("command")
         if isinstance(command, str):
@@ -82,64 +91,61 @@ def render(result: Result, results_dir: Path) -> Rendered:
     body = table(
         [
             "model",
-            "cut (algorithm)",
-            "layers int8",
-            "search evals / s",
-            "exhaustive trainings / s",
-            "empirical best cut fp32 / bf16",
-            "int8+bf16 %",
+            "seed",
+            "pick (tlb)",
+            "pick %",
+            "best cut (tlb)",
+            "best %",
+            "points apart",
+            "quantization alone: tlb / points apart",
+            "rank corr. score vs retrained",
+            "int8+bf16 % at pick",
             "bf16-only %",
             "fp32 %",
-            "cut before classifier %",
+            "search s (NSGA-II + probe)",
         ],
         summary,
     )
     for r in results:
-        if not list_of_records(r.get("exhaustive")):
+        seeds = r["seeds"]
+        if not seeds or not list_of_records(seeds[0].get("cuts")):
             continue
-        body += ["", f"Exhaustive freeze-one-by-one, {r['arch']} (one seed):", ""]
+        by_cut: dict[int, list[dict[str, Any]]] = {}
+        for s in seeds:
+            for c in s["cuts"]:
+                by_cut.setdefault(c["train_last_blocks"], []).append(c)
+        body += ["", f"Every cut, {r['arch']} (search score = the probe's target val accuracy; retrained = "
+                 "int8 bottom + bf16 top, test accuracy; per seed " + ", ".join(str(s["seed"]) for s in seeds)
+                 + "):", ""]
         body += table(
-            [
-                "trained blocks",
-                "cut layer",
-                "layers below",
-                "fp32 %",
-                "bf16 %",
-                "fp32 train s",
-                "bf16 train s",
-            ],
+            ["trained blocks", "cut layer", "layers below", "source acc., bottom int8 %", "search score %",
+             "retrained %"],
             [
                 [
-                    num(e.get("train_last_blocks")),
-                    cell(e.get("cut_layer", DASH)),
-                    num(e.get("layers_below")),
-                    acc(e.get("fp32_accuracy")),
-                    acc(e.get("bf16_accuracy")),
-                    num(e.get("fp32_train_seconds")),
-                    num(e.get("bf16_train_seconds")),
+                    num(t),
+                    cell(cs[0].get("cut_layer", DASH)),
+                    num(cs[0].get("layers_below")),
+                    acc(cs[0].get("source_accuracy_int8")),
+                    " / ".join(acc(c.get("probe_score")) for c in cs),
+                    " / ".join(acc(c.get("retrained_accuracy")) for c in cs),
                 ]
-                for e in r["exhaustive"]
+                for t, cs in sorted(by_cut.items())
             ],
         )
-    # The benchmark draws its own Figure-3 plot next to the JSON; show that one rather than a second
-    # version of it, and only draw one here when it is missing.
+    figures = []
+    if all(list_of_records(s.get("cuts")) for r in results for s in r["seeds"]):
+        figures.append(("agreement", "Search score vs retrained accuracy, every cut",
+                        agreement_plot(results)))
     existing = results_dir / f"{result.key}.png"
-    images, figures = [], []
-    if existing.is_file():
-        images.append(("Accuracy vs cut (drawn by the benchmark)", existing))
-    elif all(list_of_records(r.get("exhaustive")) for r in results):
-        figures.append(("accuracy_vs_cut", "Accuracy vs cut", _mp_plot(results)))
-    headline = "int8+bf16 vs bf16-only: " + ", ".join(
-        f"{r['arch']} {acc(r.get('final', {}).get('mean', {}).get('mixed'))} / "
-        f"{acc(r.get('final', {}).get('mean', {}).get('bf16_only'))}%"
-        for r in results
+    images = [("Accuracy vs cut (drawn by the benchmark)", existing)] if existing.is_file() else []
+    headline = "pick vs best cut, points apart: " + "; ".join(
+        f"{r['arch']} " + " / ".join(_points(s["gap_points"]) for s in r["seeds"]) for r in results
     )
     return Rendered(
-        title="Mixed precision: where to cut (partition search vs exhaustive)",
+        title="Mixed precision: where to cut (partition search vs every cut retrained)",
         headline=headline,
         body=body,
         figures=figures,
         images=images,
-        checks=checks,
         commands=commands,
     )

@@ -1,10 +1,14 @@
 """Recipe stages of mixed-precision partitioning: the cut search, and a bf16 trainer for the top.
 
 ``partition_search`` (cacheable, like ``pretrain``): fake-quantization robustness
-exploration with NSGA-II on the pretrained model's own task, then Definition 7's δ
-rule; the result (cut layer, per-layer precision, Pareto front, cost) is a stored,
-content-addressed JSON artifact, so any recipe with the same model, data and settings
-reuses it instead of searching again.
+exploration with NSGA-II on the pretrained model's own task, which bounds the cuts whose
+bottom can run int8 within δ; then, given the transfer's images (``target:``), the
+transfer probe retrains the top above each of those cuts and Definition 7's δ rule picks
+among them on the target's validation accuracy (``transfer.py`` says why the source task
+alone cannot: there int8 is nearly free at every layer, so the last cut always wins).
+The result (cut layer, per-layer precision, Pareto front, per-cut scores, cost) is a
+stored, content-addressed JSON artifact, so any recipe with the same model, data and
+settings reuses it instead of searching again.
 
 ``finetune_mixed``: the ``finetune`` stage with the top trained in bfloat16. Policy:
 fp32 master weights and optimizer state, bf16 compute through autocast on the run's
@@ -17,7 +21,7 @@ top through the feature cache, which is how mixed precision and Cache & Reuse co
 
 from __future__ import annotations
 
-import json
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -27,9 +31,13 @@ from pydantic import Field, model_validator
 from ...errors import ModelError, StageError
 from ...lazy import lazy_module, require
 from ...models.arch import ArchConfig, ModelValue, structure
+from ...recipe_model import RecipeModel
 from ...spec import MODEL, RESULT, STREAM, Spec
 from ...stage import Stage, StageCall, StageInputs
+from .. import build_record
+from ..amp import check_precision
 from ..finetune import Finetune
+from ..trainer import TrainConfig
 from .search import SearchConfig, nsga2, robustness
 
 if TYPE_CHECKING:
@@ -38,11 +46,14 @@ if TYPE_CHECKING:
     from stores.catalog import Entry
 
     from ...context import RunContext
-    from . import fakequant, graph
+    from ...models import zoo
+    from . import fakequant, graph, transfer
 else:
     torch = lazy_module("torch")
+    zoo = lazy_module("pipeline.models.zoo")
     fakequant = lazy_module("pipeline.methods.mixed_precision.fakequant")
     graph = lazy_module("pipeline.methods.mixed_precision.graph")
+    transfer = lazy_module("pipeline.methods.mixed_precision.transfer")
 
 PARTITION_FILE = "partition.json"
 
@@ -64,9 +75,14 @@ class Partition(Mapping[str, Any]):
         return len(self._data)
 
     def summary(self) -> str:
+        probe: dict[str, Any] = self.get("probe") or {}
+        tlb = self["train_last_blocks"]
+        picked = next((r for r in probe["cuts"] if r["train_last_blocks"] == tlb), None) if probe else None
+        scored = (f"target val acc {picked['score']:.3f} vs best {probe['best_score']:.3f} over "
+                  f"{len(probe['cuts'])} cuts; ") if picked is not None else ""
         return (f"cut after {self['cut_layer']} ({self['quantized_layers']}/{len(self['layers'])} layers "
-                f"int8, train_last_blocks {self['train_last_blocks']}): "
-                f"acc {self['selected']['accuracy']:.3f} vs best {self['best_accuracy']:.3f}, "
+                f"int8, train_last_blocks {self['train_last_blocks']}): {scored}"
+                f"source acc {self['selected']['accuracy']:.3f} vs best {self['best_accuracy']:.3f}, "
                 f"float {self['float_accuracy']:.3f}; "
                 f"{self['evaluations']} evaluations in {self['seconds']:.0f}s")
 
@@ -82,17 +98,35 @@ def candidate_cuts(lg: graph.LayerGraph, granularity: str) -> dict[int, graph.Cu
     return cuts
 
 
+class ProbeConfig(RecipeModel):
+    """How the transfer probe retrains the top above each cut: the transfer's own settings (a recipe
+    shares ``train`` with its finetune stages through a YAML anchor), at the top's precision."""
+
+    batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(256, ge=1)
+    precision: Literal["bf16", "fp32"] = Field("bf16", description="the top's precision (finetune_mixed)")
+    train: TrainConfig = TrainConfig(epochs=10)
+
+
 class PartitionSearch(Stage):
-    """Find the mixed-precision cut: NSGA-II over per-layer bits (fake quantization), then the δ rule."""
+    """Find the mixed-precision cut: NSGA-II over per-layer bits (fake quantization) bounds the cuts
+    whose bottom runs int8; the transfer probe (``target:``) scores them; then the δ rule."""
 
     type_name: ClassVar[str] = "partition_search"
+    # 2: the transfer probe (``target:``), per-cut source int8 accuracy in ``cuts``, ``seconds`` = total,
+    # times in build.json beside partition.json
+    version: ClassVar[int] = 2
     kind: ClassVar[str] = RESULT
-    inputs: ClassVar[dict[str, str]] = {"model": MODEL, "input": STREAM}
+    inputs: ClassVar[dict[str, str]] = {"model": MODEL, "input": STREAM, "target": STREAM}
     cacheable: ClassVar[bool] = True
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size"})
 
     model: str = Field(..., description="the pretrained model, with the classifier of its own task")
     input: str = Field(..., description="decoded images of the model's own classes (calibration, eval)")
+    target: str | None = Field(
+        None, description="decoded images of the transfer task (train, val): each int8-feasible cut is "
+        "scored by retraining the top above it (the transfer probe); without it the highest such cut wins")
+    probe: ProbeConfig = ProbeConfig()
     bits: tuple[int, ...] = (4, 6, 8, 16)
     initial_bits: tuple[int, ...] = (8, 16)
     population: int = Field(32, ge=4)
@@ -141,6 +175,18 @@ class PartitionSearch(Stage):
             raise StageError(f"the search measures `{self.model}` on its own task, so `{self.input}` must "
                              f"have its {model.num_classes} classes; found {data.num_classes} (use images of "
                              "the classes the model was pretrained on, not the transfer target's)")
+        if self.target is not None:
+            target = inputs["target"]
+            for split in ("train", "val"):
+                field = target.split(split, stage=self.type_name).fields.get("x")
+                if field is None or len(field.shape) != 3:
+                    raise StageError(f"the transfer probe expected decoded images 'x' of shape (C,H,W) in "
+                                     f"split {split!r} of `target: {self.target}`, found {field}")
+            if self.cut_granularity != "block":
+                raise StageError("`target:` scores each cut by retraining the blocks above it, which needs "
+                                 "cut_granularity: block (found layer); drop `target:` to search layer cuts "
+                                 "by quantization alone")
+            check_precision(self.probe.precision, ctx.torch_device, where="probe.precision")
         lg = self._graph(model)  # fails here, before any work, if the model cannot be traced
         cuts = candidate_cuts(lg, self.cut_granularity)
         if not cuts:
@@ -149,7 +195,8 @@ class PartitionSearch(Stage):
         return Spec(RESULT, model.num_classes, meta={"arch": model.model.arch, "candidate_cuts": len(cuts),
                                                      "layers": len(lg.layers)})
 
-    def _images(self, stream: Any, split: str, n: int, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _images(self, stream: Any, split: str, n: int, shuffle: bool,
+                ref: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         xs, ys, have = [], [], 0
         batches = stream.open(split, shuffle=shuffle, seed=self.seed)
         try:
@@ -162,7 +209,7 @@ class PartitionSearch(Stage):
         finally:
             batches.close()
         if not xs:
-            raise StageError(f"split {split!r} of `{self.input}` is empty")
+            raise StageError(f"split {split!r} of `{ref or self.input}` is empty")
         return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
     def build(
@@ -198,32 +245,90 @@ class PartitionSearch(Stage):
         result = nsga2(evaluate, len(layers), sorted(cuts), cfg,
                        log=lambda m: ctx.progress.log(f"[{name}] {m}"))
         sel = result.selected
-        cut = cuts.get(sel.quantized_layers)
+        # What the quantization search sees of each cut: the source accuracy with its bottom at int8. It
+        # is kept to show the signal (flat where int8 is nearly free), not used: the front decides.
+        source_int8 = {}
+        for n in sorted(cuts):
+            fq.set_scheme({layer: cfg.int_bits for layer in layers[:n]})
+            source_int8[n] = fq.accuracy(x, y, self.batch_size)
+        chosen = sel.quantized_layers
+        probe = None
+        if self.target is not None and chosen > 0:
+            feasible = [(n, c) for n, c in sorted(cuts.items()) if n <= chosen]
+            probe = self._probe(ctx, name, inputs, model_value, fq, layers, feasible, cfg.int_bits)
+            chosen = probe["selected"]["layers_below"]
+        elif self.target is None:
+            ctx.progress.log(f"[{name}] no `target:`: the cut is the highest whose bottom runs int8 within "
+                             "δ; what freezing it costs the transfer is not measured")
+        cut = cuts.get(chosen)
         payload = {
             "arch": getattr(net, "arch", type(net).__name__), "layers": layers, "classifier": lg.classifier,
             "num_blocks": lg.num_blocks, "delta": self.delta, "cut_granularity": self.cut_granularity,
             "float_accuracy": float_accuracy, "eval_samples": len(x),
             "cuts": [{"node": c.node, "layer": c.layer, "layers_below": n,
-                      "train_last_blocks": c.train_last_blocks} for n, c in sorted(cuts.items())],
+                      "train_last_blocks": c.train_last_blocks, "source_accuracy_int8": source_int8[n],
+                      "int8_within_delta": n <= sel.quantized_layers} for n, c in sorted(cuts.items())],
             "cut_layer": cut.layer if cut else None, "cut_node": cut.node if cut else None,
             # no cut within δ: nothing runs as int8 and every block trains
             "train_last_blocks": cut.train_last_blocks if cut else lg.num_blocks,
-            "quantized_layers": sel.quantized_layers,
-            "precision": {layer: (f"int{b}" if i < sel.quantized_layers else "bf16")
+            "quantized_layers": chosen,
+            # the highest cut the quantization search alone allows (its choice without a probe)
+            "int8_quantized_layers": sel.quantized_layers,
+            "precision": {layer: (f"int{b}" if i < chosen else "bf16")
                           for i, (layer, b) in enumerate(zip(layers, sel.bits, strict=True))},
             "robustness": robustness(result.front, layers, self.delta, cfg.bits),
             "search": {"population": cfg.population, "generations": cfg.generations, "bits": list(cfg.bits),
                        "min_samples": cfg.min_samples, "max_samples": cfg.max_samples},
             **result.to_dict(),
+            "quantization_seconds": result.seconds,
+            "probe": probe,
+            "seconds": result.seconds + (probe["seconds"] if probe else 0.0),
         }
-        (staging / PARTITION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
+        # the times apart (build.json): the content is the same whichever build made it
+        build_record.write(staging, PARTITION_FILE, payload)
         return {"cut_layer": payload["cut_layer"], "train_last_blocks": payload["train_last_blocks"],
                 "evaluations": result.evaluations}
+
+    def _probe(self, ctx: RunContext, name: str, inputs: dict[str, Any], model_value: ModelValue,
+               fq: fakequant.FakeQuantModel, layers: list[str], feasible: list[tuple[int, graph.CutPoint]],
+               int_bits: int) -> dict[str, Any]:
+        """The transfer probe over ``feasible`` cuts, and Definition 7 on its scores (``transfer.py``)."""
+        stream = inputs["target"]
+        splits = stream.spec.splits
+        data = {split: transfer.Labelled(*self._images(stream, split, splits[split].num_samples, False,
+                                                       ref=self.target))
+                for split in ("train", "val")}
+        blocks = list(fq.model.get_submodule("blocks").children())  # a BlockNet: block cuts only
+        below = {c.train_last_blocks: n for n, c in feasible}
+
+        def make(tlb: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+            # the bottom as deployed: the pretrained blocks below the cut, every layer at int_bits
+            fq.set_scheme({layer: int_bits for layer in layers[:below[tlb]]})
+            bottom = torch.nn.Sequential(*blocks[:len(blocks) - tlb])
+            net = model_value.build(seed=self.seed)  # as the finetune stage builds its top
+            zoo.replace_classifier(net, stream.spec.num_classes)
+            return bottom, zoo.split_at(net, tlb)[1]
+
+        cfg = self.probe.train.model_copy(update={"precision": self.probe.precision})
+        start = time.perf_counter()
+        records = transfer.probe_cuts(
+            [(n, c.train_last_blocks, c.layer) for n, c in feasible if c.train_last_blocks is not None], make,
+            data["train"], data["val"], cfg, batch_size=self.probe.batch_size, seed=self.seed,
+            device=ctx.torch_device, eval_batch_size=self.probe.eval_batch_size, bars=ctx.progress,
+            log=lambda m: ctx.progress.log(f"[{name}] {m}"))
+        fq.set_scheme({})
+        picked = transfer.select_cut(records, self.delta)
+        return {"cuts": records, "best_score": max(r["score"] for r in records),
+                "selected": {k: picked[k] for k in ("layers_below", "train_last_blocks", "cut_layer",
+                                                    "score")},
+                "epochs": cfg.epochs, "precision": cfg.precision, "batch_size": self.probe.batch_size,
+                "train_samples": len(data["train"]), "val_samples": len(data["val"]),
+                "seconds": time.perf_counter() - start}
 
     def load(self, ctx: RunContext, entry: Entry, call: StageCall) -> Partition:
         path = Path(entry.path) / PARTITION_FILE
         try:
-            partition = Partition(json.loads(path.read_text()))
+            partition = Partition(build_record.read(Path(entry.path), PARTITION_FILE))
         except (OSError, ValueError) as exc:
             raise ModelError(f"stage {call.name!r}: cannot read the stored partition {path}: {exc}") from None
         ctx.progress.log(f"[{call.name}] {partition.summary()}")
