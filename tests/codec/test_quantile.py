@@ -4,8 +4,9 @@ The bound checked is the one derived in ``pipeline/codec/quantile.py``::
 
     |x_hat - clip(x, lo, hi)| <= scale16 / 2 * (1 + 2**-13) + 2**-24 * |x_hat|
 
-where the ``2**-13`` term covers the three float32 roundings in computing a code (at most 2**-14 of
-a step at 255 levels) and ``2**-24 |x_hat|`` the one rounding of ``lo16 + code * scale16`` in float32.
+where the ``2**-13`` term covers the four float32 roundings in computing a code (together less than
+2**-14 of a step at 255 levels) and ``2**-24 |x_hat|`` the one rounding of ``lo16 + code * scale16`` in
+float32.
 All reference values here come from an independent full sort, not from the implementation.
 """
 
