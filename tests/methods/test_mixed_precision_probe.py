@@ -87,10 +87,10 @@ def test_the_probe_scores_every_int8_feasible_cut_and_picks_by_the_delta_rule(st
     # fewer layers below the cut, more to train: the cut before the classifier trains the fewest
     by_tlb = {r["train_last_blocks"]: r for r in probe["cuts"]}
     assert by_tlb[min(by_tlb)]["trainable_parameters"] < by_tlb[max(by_tlb)]["trainable_parameters"]
-    # Definition 7 on the probe's scores: the highest cut within δ of the best score
+    # the probe's pick: the best score (probe.delta 0), equal scores to the higher cut
     best = max(r["score"] for r in probe["cuts"])
-    within = [r for r in probe["cuts"] if r["score"] >= (1 - part["delta"]) * best - 1e-12]
-    expected = max(within, key=lambda r: r["layers_below"])
+    assert probe["delta"] == 0.0
+    expected = max((r for r in probe["cuts"] if r["score"] == best), key=lambda r: r["layers_below"])
     assert part["train_last_blocks"] == expected["train_last_blocks"]
     assert probe["selected"]["train_last_blocks"] == expected["train_last_blocks"]
     assert part["quantized_layers"] == expected["layers_below"]
@@ -133,6 +133,7 @@ def test_without_a_target_the_highest_int8_feasible_cut_wins(store: Path) -> Non
 
 
 def test_select_cut_is_definition_7_on_scores() -> None:
+    """The probe's rule: the best score at ``probe.delta`` 0, the highest cut within it otherwise."""
     records = [
         {"layers_below": 1, "train_last_blocks": 8, "score": 0.94},
         {"layers_below": 10, "train_last_blocks": 4, "score": 0.95},  # the best
@@ -142,6 +143,9 @@ def test_select_cut_is_definition_7_on_scores() -> None:
     assert select_cut(records, 0.01)["train_last_blocks"] == 2
     assert select_cut(records, 0.0)["train_last_blocks"] == 4
     assert select_cut(records, 0.2)["train_last_blocks"] == 0
+    tied = [{"layers_below": 5, "train_last_blocks": 6, "score": 0.9},
+            {"layers_below": 8, "train_last_blocks": 5, "score": 0.9}]
+    assert select_cut(tied, 0.0)["train_last_blocks"] == 5  # equal scores: the higher cut
     with pytest.raises(ValueError, match="no cut was probed"):
         select_cut([], 0.01)
 

@@ -14,9 +14,14 @@ transfer will be: the bottom, fake-quantized to 8 bits as the int8 kernels will 
 the target's train and val features once; the top above the cut, initialised with the pretrained
 weights and a fresh classifier, trains on those features with the transfer's own settings (a recipe
 shares them with its finetune stages) at the top's precision; the cut's score is the top's best
-validation accuracy over its epochs, which is how the finetune stage picks its checkpoint. Definition 7
-then runs on these scores (``select_cut``). The cost is one transfer training per candidate cut,
-without the test evaluation.
+validation accuracy over its epochs, which is how the finetune stage picks its checkpoint.
+
+The pick is the best-scoring cut (equal scores go to the higher cut), or, with a tolerance
+(``probe.delta``), the highest cut within it of the best: Definition 7's rule on these scores
+(``select_cut``). The tolerance defaults to 0, not to the search's δ: a score measured on a few
+hundred validation images is noisy (about a point), and a tolerance puts the pick at its edge, up
+to the tolerance below the best before that noise. The cost is one transfer training per candidate
+cut, without the test evaluation.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def probe_cut(bottom: nn.Module, top: nn.Module, data_train: Labelled, data_val:
 
 def select_cut(records: Sequence[dict[str, Any]], delta: float) -> dict[str, Any]:
     """Definition 7 on the probe's scores: the highest cut (most layers below) whose score is within
-    relative ``delta`` of the best score; ties cannot happen (one record per cut)."""
+    relative ``delta`` of the best score (``delta`` 0: the best score, equal scores to the higher cut)."""
     if not records:
         raise ModelError("cannot select a cut: no cut was probed")
     if not 0.0 <= delta < 1.0:
