@@ -211,7 +211,13 @@ def test_a_run_at_one_thread_and_one_switching_threads_store_the_same_bytes(
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     forced = threads.Tuning(window=1, baseline=1, confirm=1, probe_every=1, probe_max=1, keep_fewer=10.0,
                             keep_more=10.0)
-    monkeypatch.setattr(threads, "Tuning", lambda: forced)  # every trial wins: the count keeps moving
+    install = threads.install
+
+    def install_forced(*args: object, **kwargs: object) -> threads.ThreadPolicy:
+        policy = install(*args, **kwargs)  # type: ignore[arg-type]
+        policy.tuning = forced  # every trial wins: the count keeps moving, whatever the load
+        return policy
+    monkeypatch.setattr(threads, "install", install_forced)
     counts: list[int] = []
     set_workers = MicroBatches.set_workers
 
