@@ -23,7 +23,7 @@ NATIVE = "ONDEVICE_TL_NATIVE"
 # name -> (what 1 means, what 0 means). Why each exists: pipeline/heap.py and pipeline/codec/native.py.
 SWITCHES = {
     KEEP_HEAP: ("keep freed memory", "glibc's defaults"),
-    NATIVE: ("use the compiled dequantize kernel", "torch ops only"),
+    NATIVE: ("use the compiled codec kernels (quantize, dequantize)", "torch ops only"),
 }
 
 

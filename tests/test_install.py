@@ -62,7 +62,7 @@ def test_the_wheel_carries_the_recipes_and_the_kernel_source(wheel: Path) -> Non
             packaged = "pipeline/recipes/" + recipe.relative_to(ROOT / "recipes").as_posix()
             assert packaged in names, packaged
             assert zf.read(packaged) == recipe.read_bytes(), packaged
-        assert "pipeline/codec/dequantize_moved.c" in names
+        assert {"pipeline/codec/dequantize_moved.c", "pipeline/codec/quantize.c"} <= names
         assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 
 
