@@ -8,6 +8,7 @@ One small run (the quickstart shrunk, digits 5-8) is the model every test starts
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,9 @@ def test_update_run_dir_grows_the_head_and_replays(base: dict[str, Path],
     assert metrics["replay"]["fraction"] == 0.5 and metrics["replay"]["new_samples"] == 20
     assert metrics["replay"]["earlier_per_batch"] == metrics["replay"]["new_per_batch"] == 16
     assert metrics["epochs"] == 2
+    # trained with the class balance of the data, not of the batches: 80 earlier and 20 new samples
+    assert metrics["replay_prior_offsets"] == pytest.approx({"earlier": math.log(0.5 * 100 / 80),
+                                                              "new": math.log(0.5 * 100 / 20)})
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [e for e in epochs if e.get("stage") == "two_stage" and "epoch" in e]
     assert [e["samples"] for e in trained] == [40, 40]  # 20 new + 20 earlier per epoch

@@ -48,11 +48,14 @@ from .warm_start import (
     InitSource,
     Replay,
     UpdateReport,
+    accuracy_of,
+    class_tallies,
     count_classes,
     keep_columns,
     locate_init,
     of_classes,
     plan_init,
+    prior_correction,
     read_init,
     warm_start,
 )
@@ -375,29 +378,43 @@ class Finetune(Stage):
             )
 
         test_split = "test" if "test" in stream.spec.splits else "val"
+        num_classes = stream.spec.num_classes
         if update is not None:  # what the init model itself gets right on the classes it knew
-            update.extra["init_accuracy_old_classes"] = self._accuracy_of(
-                keep_columns(trained, update.plan.old), eval_batches(test_split), update.plan.old)
+            known = update.plan.old
+            update.extra["init_accuracy_old_classes"] = accuracy_of(class_tallies(
+                keep_columns(trained, known), of_classes(eval_batches(test_split), known), num_classes,
+                precision=self.precision), known)
         params = [p for p in trained.parameters() if p.requires_grad]
         steps = -(-stream.spec.splits["train"].num_samples // self.batch_size)
         if replay is not None:
             steps = replay.steps()
-        result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
-                       on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch,
-                       resume_key=call.fingerprint, bars=ctx.progress, label=name,
-                       batch_size=self.batch_size, batch_setting=f"stages.{name}.batch_size",
-                       log=lambda m: ctx.progress.log(f"[{name}] {m}"),
-                       prepare=stream.decode_coded if coded else None)  # type: ignore[attr-defined]
+        offsets = replay.prior_offsets(num_classes) if replay is not None else None
+        corrected = prior_correction(top, offsets) if offsets is not None else None
+        try:
+            result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
+                           on_epoch=on_epoch, steps_per_epoch=steps, read_ahead=self.prefetch,
+                           resume_key=call.fingerprint, bars=ctx.progress, label=name,
+                           batch_size=self.batch_size, batch_setting=f"stages.{name}.batch_size",
+                           log=lambda m: ctx.progress.log(f"[{name}] {m}"),
+                           prepare=stream.decode_coded if coded else None)  # type: ignore[attr-defined]
+        finally:
+            if corrected is not None:
+                corrected.remove()  # evaluated and saved as the plain network
         # Report the test accuracy of the checkpoint chosen on validation data.
         state, _ = load_weights(out_dir / BEST_FILE)
         trained.load_state_dict(state)
         try:
-            _, test_acc, test_n = evaluate(trained, eval_batches(test_split), precision=self.precision)
-            if update is not None:
-                update.extra["accuracy_old_classes"] = self._accuracy_of(
-                    trained, eval_batches(test_split), update.plan.old)
-                update.extra["accuracy_new_classes"] = self._accuracy_of(
-                    trained, eval_batches(test_split), update.plan.added)
+            if update is None:
+                _, test_acc, test_n = evaluate(trained, eval_batches(test_split), precision=self.precision)
+            else:  # the same predictions, tallied per class: the known and the new classes apart, one pass
+                tallies = class_tallies(trained, eval_batches(test_split), num_classes,
+                                        precision=self.precision)
+                test_n = int(tallies[1].sum())
+                test_acc = accuracy_of(tallies, range(num_classes)) or 0.0
+                update.extra["accuracy_old_classes"] = accuracy_of(tallies, update.plan.old)
+                update.extra["accuracy_new_classes"] = accuracy_of(tallies, update.plan.added)
+                if test_n == 0:
+                    raise DataError("evaluation batches yielded no samples (is the evaluation split empty?)")
         except torch.OutOfMemoryError as exc:
             raise out_of_memory(exc, stage=name, batch_size=self.eval_batch_size, device=device,
                                 setting=f"stages.{name}.eval_batch_size",
@@ -484,16 +501,14 @@ class Finetune(Stage):
                             "nothing to replay; remove replay, or keep those classes in the data")
         update.replay = Replay(self.replay, self.batch_size, update.plan.old, self.seed, counts)
         r = update.replay
+        offsets = r.prior_offsets(len(update.plan.names))
+        note = ""
+        if offsets is not None:
+            earlier, new = float(offsets[update.plan.old[0]]), float(offsets[update.plan.added[0]])
+            update.extra["replay_prior_offsets"] = {"earlier": earlier, "new": new}
+            note = f"; class scores offset by {earlier:+.3f} (earlier), {new:+.3f} (new) while training"
         ctx.progress.log(f"[{name}] replay: {counts[1]} new and {counts[0]} earlier samples; each batch "
-                         f"{r.new_per_batch} new + {r.old_per_batch} earlier, {r.steps()} steps per epoch")
+                         f"{r.new_per_batch} new + {r.old_per_batch} earlier, {r.steps()} steps per epoch"
+                         + note)
         return r
 
-    def _accuracy_of(self, model: torch.nn.Module, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-                     classes: tuple[int, ...]) -> float | None:
-        """Accuracy on the samples of ``classes`` (None: there are none)."""
-        if not classes:
-            return None
-        try:
-            return evaluate(model, of_classes(batches, classes), precision=self.precision)[1]
-        except DataError:  # no test sample of those classes
-            return None

@@ -30,6 +30,7 @@ and every sample trains as without replay.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -294,6 +295,45 @@ def _keep_columns_type() -> type[nn.Module]:
     return KeepColumns
 
 
+def class_tallies(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int, *,
+                  precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, seen) per class in one pass: the same predictions as ``trainer.evaluate`` makes (eval mode,
+    at ``precision``, in micro-batches on a CPU under ``run.deterministic``), so the accuracy of any set of
+    classes, all of them included, is what ``evaluate`` would report for those samples."""
+    from contextlib import nullcontext
+
+    from ..threads import compute_threads
+    from .amp import AmpPolicy, module_device, to_device
+    from .microbatch import DEFAULT_MICRO_BATCH, MicroBatches
+    from .trainer import thread_invariant
+
+    model.eval()
+    device = module_device(model)
+    micro = MicroBatches(model, DEFAULT_MICRO_BATCH, compute_threads()) if thread_invariant(device) else None
+    amp = AmpPolicy(precision, device)
+    correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    seen = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    with micro if micro is not None else nullcontext(), torch.no_grad():
+        for x, y in to_device(batches, device):
+            if micro is not None:
+                logits = micro.forward(x, amp.autocast)
+            else:
+                with amp.autocast():
+                    logits = model(x)
+            hit = logits.float().argmax(1) == y
+            correct += torch.bincount(y[hit], minlength=num_classes)
+            seen += torch.bincount(y, minlength=num_classes)
+    return correct.cpu(), seen.cpu()
+
+
+def accuracy_of(tallies: tuple[torch.Tensor, torch.Tensor], classes: Sequence[int]) -> float | None:
+    """Accuracy over the samples of ``classes`` from :func:`class_tallies` (None: no such sample)."""
+    correct, seen = tallies
+    index = torch.tensor(list(classes), dtype=torch.int64)
+    n = int(seen[index].sum()) if len(index) else 0
+    return int(correct[index].sum()) / n if n else None
+
+
 def of_classes(batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                classes: Sequence[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The samples of ``batches`` whose label is one of ``classes`` (batches that keep none are skipped)."""
@@ -345,6 +385,23 @@ class Replay:
             out.append((new, k_old if new == k_new else int(round(new * k_old / k_new))))
         return out
 
+    def prior_offsets(self, num_classes: int) -> torch.Tensor | None:
+        """What replay's batches change in the class balance, as logit offsets ``log(q_c / p_c)``: ``q_c`` a
+        class's share of the replay batches, ``p_c`` its share of the training data. Trained with them added
+        (logit adjustment, Menon et al., ICLR 2021), the model estimates the classes' probabilities at the
+        data's balance, as a training on every sample would, and not at the batches' (where a new class is
+        half of every batch at ``replay: 0.5``, and would be predicted far too often). None without earlier
+        samples in the batches (``replay: 0``): nothing to correct."""
+        n_old, n_new = self.counts
+        if self.old_per_batch == 0 or n_old == 0 or n_new == 0:
+            return None
+        total = n_old + n_new
+        old = math.log(self.old_per_batch / self.batch_size * total / n_old)
+        new = math.log(self.new_per_batch / self.batch_size * total / n_new)
+        offsets = torch.full((num_classes,), new, dtype=torch.float32)
+        offsets[list(self.old)] = old
+        return offsets
+
     def _generator(self, epoch: int, salt: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 7919 + salt)
 
@@ -381,6 +438,20 @@ class Replay:
             idx = idx[torch.randperm(len(idx), generator=self._generator(epoch, 100_000 + step))]
             idx = idx.to(x_all.device)
             yield x_all[idx], y_all[idx]
+
+
+def prior_correction(top: nn.Module, offsets: torch.Tensor) -> Any:
+    """Add ``offsets`` to ``top``'s class scores while it trains (not while it is evaluated); returns the
+    hook's handle (``.remove()`` it when training ends). A hook on the classifier: no state dict changes."""
+    _name, layer = zoo.final_layer(top)
+
+    def shift(module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        extra = offsets.to(output.device, output.dtype)
+        return output + extra.view(1, -1, *[1] * (output.dim() - 2))
+
+    return layer.register_forward_hook(shift)
 
 
 def count_classes(batches: Iterable[tuple[Any, torch.Tensor]], old: Sequence[int]) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from a run, ``update RUN_DIR``) are in ``tests/test_update.py``."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,20 @@ import torch
 from torch import nn
 
 from pipeline.errors import ModelError
+from pipeline.methods.trainer import evaluate
 from pipeline.methods.warm_start import (
     ClassPlan,
     InitError,
     InitSource,
     Replay,
+    accuracy_of,
+    class_tallies,
     count_classes,
     keep_columns,
     locate_init,
     of_classes,
     plan_init,
+    prior_correction,
 )
 from pipeline.spec import ModelDesc
 
@@ -97,6 +102,48 @@ def test_a_stream_that_changes_between_passes_is_refused() -> None:
     with pytest.raises(ModelError, match="gave 100 new and 500 earlier samples in epoch 0, 99 and 500 when "
                                          "counted; a stream's samples must not change between passes"):
         list(replay.batches(stream(500, 100, seed=0), 0))
+
+
+def test_prior_offsets_undo_what_replay_does_to_the_class_balance() -> None:
+    replay = Replay(0.5, 32, OLD, counts=(1000, 200))
+    offsets = replay.prior_offsets(6)
+    assert offsets is not None
+    # a known class is 1/10 of half of each batch and 1/6 of the data; the new one half of it and 1/6
+    assert torch.allclose(offsets, torch.tensor([math.log(0.6)] * 5 + [math.log(3.0)]))
+    assert Replay(0.0, 32, OLD, counts=(1000, 200)).prior_offsets(6) is None  # no earlier sample: nothing
+
+
+class Top(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(3, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def test_the_correction_applies_while_training_only_and_comes_off() -> None:
+    top, x = Top(), torch.randn(4, 3)
+    plain = top(x).detach()
+    offsets = torch.arange(6, dtype=torch.float32)
+    handle = prior_correction(top, offsets)
+    assert torch.equal(top.train()(x).detach(), plain + offsets)
+    assert torch.equal(top.eval()(x).detach(), plain)
+    handle.remove()
+    assert torch.equal(top.train()(x).detach(), plain)
+    assert set(top.state_dict()) == {"head.0.weight", "head.0.bias"}
+
+
+def test_tallies_give_evaluates_accuracy_per_class() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6))
+    batches = [(torch.randn(40, 3), torch.randint(0, 6, (40,))) for _ in range(3)]
+    tallies = class_tallies(model, batches, 6)
+    assert accuracy_of(tallies, range(6)) == evaluate(model, batches)[1]
+    assert int(tallies[1].sum()) == 120
+    only = [(x[y < 5], y[y < 5]) for x, y in batches]
+    assert accuracy_of(tallies, OLD) == evaluate(model, only)[1]
+    assert accuracy_of(tallies, ()) is None
 
 
 def test_count_and_filter_by_class() -> None:
