@@ -9,6 +9,7 @@ gets busy) trained the quickstart to accuracies from 0.840 to 0.888 in four runs
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import signal
 import subprocess
@@ -230,6 +231,10 @@ def test_a_run_at_one_thread_and_one_switching_threads_store_the_same_bytes(
     one, auto = store_digest(tmp_path / "one"), store_digest(tmp_path / "auto")
     assert {1, 2} <= set(counts)  # the controller did move between one and two threads while training
     assert one == auto and len(one) == 3  # backbone, cache and trained top: same keys, same bytes
+    for entry in (tmp_path / "one" / "entries").iterdir():  # no figure of the build in the content
+        if (entry / "result.json").is_file():  # (the resume checkpoint's size follows its epoch times)
+            kept = sum(f.stat().st_size for f in entry.glob("*.pt"))
+            assert json.loads((entry / "result.json").read_text())["bytes_written"] == kept
     model = {p.name: p.read_bytes() for p in (tmp_path / "o1").rglob("*.pt")}
     assert model and model == {p.name: p.read_bytes() for p in (tmp_path / "o2").rglob("*.pt")}
 

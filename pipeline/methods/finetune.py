@@ -455,7 +455,9 @@ class Finetune(Stage):
             "resumed_after_epochs": result.resumed_from or 0,
             **(fp.metrics() if fp is not None else {}),
             "epochs": self.train.epochs,
-            "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt")),
+            # What the entry keeps: the resume checkpoint (removed at commit) holds the epochs' times,
+            # so its size varies from build to build and would make the result's bytes vary too.
+            "bytes_written": sum(f.stat().st_size for f in out_dir.glob("*.pt") if f.name != CHECKPOINT_FILE),
         }
         if update is not None:
             metrics.update(update.metrics())
