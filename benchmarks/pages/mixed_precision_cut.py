@@ -29,6 +29,12 @@ def _points(x: Any) -> str:
     return f"{x:.2f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else DASH
 
 
+def _at_delta(d: Any) -> str:
+    if not isinstance(d, dict):
+        return DASH
+    return f"{num(d.get('train_last_blocks'))} / {_points(d.get('gap_points'))}"
+
+
 def agreement_plot(results: list[dict[str, Any]]) -> Figure:
     """Per recipe: every cut of every seed as (search score, retrained accuracy); the pick starred."""
     fig = new_figure(4.6 * len(results), 4.2)
@@ -78,6 +84,7 @@ def render(result: Result, results_dir: Path) -> Rendered:
                     acc(s["best"]["retrained_accuracy"]),
                     _points(s["gap_points"]),
                     f"{num(q['train_last_blocks'])} / {_points(q['gap_points'])}",
+                    _at_delta(s.get("probe_at_search_delta")),
                     num(s.get("rank_correlation")),
                     acc(f["mixed"]),
                     acc(f["bf16_only"]),
@@ -98,6 +105,7 @@ def render(result: Result, results_dir: Path) -> Rendered:
             "best %",
             "points apart",
             "quantization alone: tlb / points apart",
+            "probe with the search's δ: tlb / points apart",
             "rank corr. score vs retrained",
             "int8+bf16 % at pick",
             "bf16-only %",
