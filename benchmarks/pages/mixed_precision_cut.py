@@ -126,8 +126,8 @@ def render(result: Result, results_dir: Path) -> Rendered:
                  "int8 bottom + bf16 top, test accuracy; per seed " + ", ".join(str(s["seed"]) for s in seeds)
                  + "):", ""]
         body += table(
-            ["trained blocks", "cut layer", "layers below", "source acc., bottom int8 %", "search score %",
-             "retrained %"],
+            ["trained blocks", "cut layer", "layers below", "source acc., bottom int8 % (seed 0)",
+             "search score %", "retrained %"],
             [
                 [
                     num(t),
