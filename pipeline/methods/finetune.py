@@ -222,7 +222,7 @@ class Finetune(Stage):
     def identity(self, ctx: RunContext) -> str | None:
         if self.init is None:
             return None
-        from ..stages.model import file_sha256
+        from ..models.weights import file_sha256
 
         return f"init-model:{file_sha256(self._init_source(ctx).path)}"
 
@@ -473,8 +473,7 @@ class Finetune(Stage):
     def _warm_start(self, ctx: RunContext, name: str, specs: Mapping[str, Spec], n: int, net: BlockNet,
                     bottom: torch.nn.Module, top: TopNet) -> UpdateReport:
         """Load the init model into the fresh network (``warm_start``), checked as resolving checked it."""
-        from ..models.weights import state_dict_hash
-        from ..stages.model import file_sha256
+        from ..models.weights import file_sha256, state_dict_hash
 
         source = self._init_source(ctx)
         sha = file_sha256(source.path)

@@ -260,3 +260,12 @@ def hub_checkpoint(arch: str) -> Path | None:
     hits = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in (".pth", ".pt")
                   and p.name.startswith((f"{arch}-", f"{arch}_")) and "-" in p.name)
     return hits[0] if hits else None
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes: a weights or model file's content identity (never its path)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

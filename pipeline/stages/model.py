@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -11,7 +10,7 @@ from pydantic import Field
 from ..errors import MissingPathError
 from ..lazy import lazy_module
 from ..models.arch import ArchConfig, ModelValue, seeded_net
-from ..models.weights import hub_checkpoint, load_weights, missing_weights_message
+from ..models.weights import file_sha256, hub_checkpoint, load_weights, missing_weights_message
 from ..spec import MODEL, Spec
 from ..stage import Stage, StageCall, StageInputs
 
@@ -21,14 +20,6 @@ if TYPE_CHECKING:
     from ..context import RunContext
 else:
     torch = lazy_module("torch")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ``weights: random``: random initialisation, chosen on purpose (no warning).
