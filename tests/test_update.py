@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ from pipeline.methods.finetune import Finetune
 from pipeline.methods.warm_start import ClassPlan, InitSource, warm_start
 from pipeline.models import zoo
 from pipeline.models.arch import ArchConfig, seeded_net
-from tests.sweep.recipes import tiny_recipe
+from tests.sweep.recipes import ROOT, tiny_recipe
 
 OLD_CLASSES = [5, 6, 7, 8]
 GROWN = "stages.target_digits.classes=[5,6,7,8,9]"
@@ -214,3 +218,70 @@ def test_update_refuses_what_is_not_a_run(base: dict[str, Path], tmp_path: Path,
         main(["update", str(base["run"]), "--replay", "1.5"])
     assert exited.value.code == 2
     assert "expected a share 0 <= SHARE < 1, or off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,mode", [({"type": "tinytl", "mode": "lite_bias"}, "two_stage"),
+                                         ({"type": "mobiletl"}, "single_stage")])
+def test_tinytl_and_mobiletl_start_from_their_own_models(tmp_path: Path, method: dict[str, Any],
+                                                          mode: str) -> None:
+    """The memory-efficient methods are finetune methods: their layers (lite residuals, shift-only batch
+    norms) are in the model file and carry over to the update, from images as well as from a cache."""
+    data = tiny_recipe()
+    data["name"] = "tiny-update-method"
+    data["stages"]["target_digits"]["classes"] = OLD_CLASSES
+    top = data["stages"]["two_stage"]
+    top["method"] = method
+    if mode == "single_stage":
+        top.update(mode="single_stage", images="target_images", train_last_blocks=7)
+        del top["features"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    store, first, second = tmp_path / "store", tmp_path / "run1", tmp_path / "run2"
+    assert main(["run", str(recipe), "--store", str(store), "--output", str(first), "--quiet"]) == 0
+    assert main(["update", str(first), "--set", GROWN, "--epochs", "1", "--output", str(second),
+                 "--quiet"]) == 0
+    metrics = summary(second)["metrics"]
+    assert metrics["init"]["classes_added"] == ["9"] and metrics["mode"] == mode
+    assert metrics["method"] == summary(first)["metrics"]["method"]
+    assert metrics["init_accuracy_old_classes"] == summary(first)["metrics"]["accuracy"]
+    _state, description = read_model_file(second / "stages" / "two_stage" / "model.pt")
+    assert description["network"]["method"]["type"] == method["type"]
+    assert description["class_names"] == ["5", "6", "7", "8", "9"]
+
+
+def test_a_killed_update_loses_nothing_stored_and_resumes_to_the_same_model(base: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """SIGKILL while the update trains: every entry stored before stays complete and verified, and the
+    update run again continues from its last epoch to the model an uninterrupted update gives."""
+    argv = [sys.executable, "-m", "pipeline", "update", str(base["run"]), "--set", GROWN, "--set",
+            "stages.two_stage.train.lr=0.005", "--epochs", "6"]
+    before = sorted(p.name for p in (base["store"] / "entries").iterdir())
+    proc = subprocess.Popen([*argv, "--output", str(tmp_path / "killed")], cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    try:
+        while not list((base["store"] / "staging").glob("*/last.pt")):
+            assert proc.poll() is None, f"update ended before a checkpoint appeared: {proc.stderr.read()}"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (base["store"] / "entries").iterdir()) == before
+    assert main(["cache", "verify", "--store", str(base["store"])]) == 0
+    assert read_model_file(base["model"])[1]["class_names"] == ["5", "6", "7", "8"]
+
+    resumed = subprocess.run([*argv, "--output", str(tmp_path / "resumed")], cwd=ROOT, text=True,
+                             capture_output=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "[two_stage] resuming training after epoch" in resumed.stderr
+    fp = stage_of(tmp_path / "resumed", "two_stage")["fingerprint"]
+    assert main(["cache", "rm", fp[:16], "--store", str(base["store"])]) == 0
+    whole = subprocess.run([*argv, "--output", str(tmp_path / "whole")], cwd=ROOT, text=True,
+                           capture_output=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr
+    assert (tmp_path / "resumed" / "stages" / "two_stage" / "model.pt").read_bytes() == \
+        (tmp_path / "whole" / "stages" / "two_stage" / "model.pt").read_bytes()
