@@ -151,6 +151,34 @@ def test_running_statistics_follow_the_micro_batches_mean(restore_threads: None)
     assert int(bn.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_step_gives_the_norm_its_own_buffers_back(restore_threads: None, fails: bool) -> None:
+    # During a step each micro-batch's norm writes into buffers of its own; after it (or after a step
+    # that raised) the norm has its real buffers, its momentum, and its statistics moved only on success.
+    bn = nn.BatchNorm2d(3, momentum=None)
+    before = bn.running_mean.clone()
+    x = torch.randn(8, 3, 2, 2)
+
+    def step(xi: torch.Tensor, yi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = bn(xi)
+        if fails:
+            raise RuntimeError("a failing step")
+        return out.mean(), out
+
+    with MicroBatches(bn, 4, workers=2) as micro:
+        if fails:
+            with pytest.raises(RuntimeError, match="a failing step"):
+                micro.gradients(x, torch.zeros(8, dtype=torch.long), list(bn.parameters()), step, nullcontext)
+        else:
+            micro.gradients(x, torch.zeros(8, dtype=torch.long), list(bn.parameters()), step, nullcontext)
+    assert type(bn._buffers) is dict and bn.momentum is None
+    assert set(bn.state_dict()) == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+    assert int(bn.num_batches_tracked) == (0 if fails else 1)
+    assert torch.equal(bn.running_mean, before) == fails
+    bn.eval()
+    assert torch.equal(bn(x), nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+
+
 def test_a_model_drawing_from_the_global_generator_runs_micro_batches_in_turn(restore_threads: None) -> None:
     class Noisy(nn.Module):
         def __init__(self) -> None:

@@ -12,7 +12,10 @@ What the cut changes in the model's arithmetic, and how it stays a pure function
 
 - **batch norm** layers in training normalise with their micro-batch's statistics (ghost batch
   norm); their running statistics are updated once per step, from the size-weighted mean of the
-  micro-batches' means and variances, added in a fixed order on the calling thread.
+  micro-batches' means and variances, added in a fixed order on the calling thread. Each micro-batch's
+  mean and variance are the ones the norm's own kernel computes while normalising (written into
+  buffers of that micro-batch's own, :class:`_MicroBatchBuffers`), not computed a second time: a
+  separate channel-wise ``var_mean`` cost more than the norm itself on one thread.
 - **dropout** (and torchvision's stochastic depth) draws its masks from a generator seeded by the
   step (one draw from torch's global generator, so a resumed run continues the sequence) and the
   micro-batch's index, not from the global generator that the threads would race for.
@@ -36,10 +39,6 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
     nn = lazy_module("torch.nn")
-
-
-def register_module_forward_pre_hook(hook: Callable[..., Any]) -> Any:
-    return nn.modules.module.register_module_forward_pre_hook(hook)
 
 
 def register_module_forward_hook(hook: Callable[..., Any]) -> Any:
@@ -104,6 +103,37 @@ def _mask_shape(module: nn.Module, out: torch.Tensor) -> tuple[int, ...]:
     return tuple([1] * out.dim())  # ... or the whole batch
 
 
+class _MicroBatchBuffers(dict):  # type: ignore[type-arg]
+    """One micro-batch's running-statistics buffers of one batch norm: the norm's kernel, at a factor
+    of 1, leaves the micro-batch's mean and (unbiased) variance in them."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        super().__init__(running_mean=torch.zeros_like(like), running_var=torch.ones_like(like),
+                         num_batches_tracked=torch.zeros((), dtype=torch.long))
+
+
+class _StepBuffers(dict):  # type: ignore[type-arg]
+    """A batch norm's buffers during a step: on a micro-batch's thread, that micro-batch's own
+    (:class:`_MicroBatchBuffers`); elsewhere none (a norm with no running buffers updates nothing).
+
+    Installed as the norm's ``_buffers``, which ``nn.Module.__getattr__`` reads the running
+    statistics from; :attr:`real` is put back when the step ends.
+    """
+
+    def __init__(self, real: dict[str, Any], scratch: list[_MicroBatchBuffers]) -> None:
+        super().__init__(real)
+        self.real, self.scratch = real, scratch
+
+    def __getitem__(self, name: str) -> Any:
+        index = getattr(_here, "index", None)
+        if name in _MICRO_BATCH_BUFFERS:
+            return None if index is None else self.scratch[index][name]
+        return self.real[name]
+
+
+_MICRO_BATCH_BUFFERS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
 class MicroBatches:
     """One model's steps in micro-batches on a pool of threads (see the module's docstring).
 
@@ -128,8 +158,7 @@ class MicroBatches:
                                   and type(m).forward is stock]
         drop_types = _dropout_types()
         self._drops: list[Any] = [m for m in model.modules() if isinstance(m, drop_types)]
-        self._stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._collecting: set[int] = set()  # ids of the norms whose statistics this step notes
+        self._scratch: dict[int, list[_MicroBatchBuffers]] = {}  # id(norm) -> this step's buffers
         self._dropping: dict[int, float] = {}  # id -> the drop probability this step applies itself
         self._hooks: list[Any] = []
         self._threads_before: int | None = None
@@ -139,8 +168,7 @@ class MicroBatches:
         # Global hooks, not hooks on the layers: a model copied while they are on (a frozen bottom
         # folded at its first forward) must not carry them. They act only on this model's layers,
         # during a step (the two tables below are empty otherwise).
-        self._hooks = [register_module_forward_pre_hook(self._note_statistics),
-                       register_module_forward_hook(self._apply_mask)]
+        self._hooks = [register_module_forward_hook(self._apply_mask)] if self._drops else []
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(1)
         return self
@@ -187,7 +215,7 @@ class MicroBatches:
         seed = int(torch.randint(0, 2**62, ()).item()) if self._drops else 0
         active = [m for m in self._norms if m.training and m.track_running_stats
                   and m.running_mean is not None]
-        kept = self._take_running(active)
+        kept = self._take_running(active, len(slices))
         self._dropping = {id(m): float(m.p) for m in self._drops if m.training and m.p > 0}
         for m in self._drops:
             if id(m) in self._dropping:
@@ -250,50 +278,42 @@ class MicroBatches:
         return torch.cat(self._run(len(slices), work))
 
     # -- batch norm: statistics per micro-batch, running averages once per step
-    def _take_running(self, active: list[Any]) -> list[tuple[Any, Any, Any]]:
+    def _take_running(self, active: list[Any], count: int) -> list[tuple[Any, Any, Any, Any]]:
         kept = []
         for m in active:
-            kept.append((m.running_mean, m.running_var, m.num_batches_tracked))
-            # Without running buffers a training batch norm uses the batch's statistics and updates
-            # nothing, so threads never write to one tensor; the step updates them itself.
-            m.running_mean = m.running_var = m.num_batches_tracked = None
-            self._collecting.add(id(m))
+            kept.append((m.running_mean, m.running_var, m.num_batches_tracked, m.momentum))
+            # Each micro-batch's norm writes its statistics into buffers of its own (threads never
+            # write to one tensor), with a factor of exactly 1: momentum None turns the factor into
+            # 1 / num_batches_tracked, and those buffers count from 0.
+            scratch = [_MicroBatchBuffers(m.running_mean) for _ in range(count)]
+            self._scratch[id(m)] = scratch
+            m.__dict__["_buffers"] = _StepBuffers(m._buffers, scratch)
+            m.momentum = None
         return kept
 
-    def _give_back_running(self, active: list[Any], kept: list[tuple[Any, Any, Any]],
+    def _give_back_running(self, active: list[Any], kept: list[tuple[Any, Any, Any, Any]],
                            slices: list[slice], n: int, *, update: bool) -> None:
         try:
-            for m, (mean, var, tracked) in zip(active, kept, strict=True):
-                m.running_mean, m.running_var, m.num_batches_tracked = mean, var, tracked
+            for m, (mean, var, tracked, momentum) in zip(active, kept, strict=True):
+                m.__dict__["_buffers"] = m._buffers.real
+                m.momentum = momentum
                 if not update:
                     continue
                 batch_mean: Any = None
                 batch_var: Any = None
-                for i, s in enumerate(slices):
+                for s, stats in zip(slices, self._scratch[id(m)], strict=True):
                     w = (s.stop - s.start) / n
-                    mi, vi = self._stats[(id(m), i)]
+                    mi, vi = stats["running_mean"], stats["running_var"]
                     batch_mean = mi * w if batch_mean is None else batch_mean + mi * w
                     batch_var = vi * w if batch_var is None else batch_var + vi * w
                 with torch.no_grad():
                     if tracked is not None:
                         tracked.add_(1)
-                    f = m.momentum if m.momentum is not None else 1.0 / float(tracked)
+                    f = momentum if momentum is not None else 1.0 / float(tracked)
                     mean.mul_(1 - f).add_(batch_mean.to(mean.dtype), alpha=f)
                     var.mul_(1 - f).add_(batch_var.to(var.dtype), alpha=f)
         finally:
-            self._collecting.clear()
-            self._stats.clear()
-
-    def _note_statistics(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if id(module) not in self._collecting:
-            return
-        index = getattr(_here, "index", None)
-        if index is None:
-            return
-        x = args[0].detach()
-        with torch.no_grad():
-            var, mean = torch.var_mean(x.float(), dim=[0, *range(2, x.dim())], correction=1)
-        self._stats[(id(module), index)] = (mean, var)
+            self._scratch.clear()
 
     # -- dropout: masks from the micro-batch's own generator
     def _apply_mask(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:

@@ -44,7 +44,9 @@ class Pretrain(Stage):
 
     type_name: ClassVar[str] = "pretrain"
     # 2: CPU steps and evaluation in fixed micro-batches (run.deterministic): thread-invariant weights
-    version: ClassVar[int] = 2
+    # 3: batch norms' running statistics as their own kernel computes them (not a second var_mean;
+    #    the variance may differ in the last bit)
+    version: ClassVar[int] = 3
     trains: ClassVar[bool] = True
     kind: ClassVar[str] = MODEL
     inputs: ClassVar[dict[str, str]] = {"input": DATASET}

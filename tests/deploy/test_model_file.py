@@ -49,7 +49,7 @@ def test_every_trainer_writes_a_model_file_with_its_description(trained: dict[st
     assert any(v.endswith("LiteResidual") for v in two_stage["modules"].values())
     mixed = torch.load(trained["run"] / "stages" / "mixed" / MODEL_FILE, weights_only=True)["meta"]
     assert mixed["notes"]["top_precision"] == "bf16"
-    assert mixed["produced_by"]["stage_type"] == "finetune_mixed@2"
+    assert mixed["produced_by"]["stage_type"] == "finetune_mixed@3"
 
 
 def test_loaded_models_hold_the_trained_weights_and_are_ready(trained: dict[str, Any]) -> None:

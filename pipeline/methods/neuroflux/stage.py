@@ -106,7 +106,9 @@ class _BudgetedTraining(Stage):
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"prefetch", "eval_batch_size"})
     # 2: CPU steps and evaluation in fixed micro-batches (run.deterministic), spills padded as the
     # frozen forward pads: thread-invariant weights and spills
-    version: ClassVar[int] = 2
+    # 3: batch norms' running statistics as their own kernel computes them (not a second var_mean;
+    #    the variance may differ in the last bit)
+    version: ClassVar[int] = 3
     trains: ClassVar[bool] = True
 
     input: str = Field(description="decoded image stream with train, val (and test) splits")
