@@ -27,6 +27,7 @@ from stores.catalog import Entry, Staging
 from stores.leases import EntryUse
 from stores.lock import LockHolder
 
+from . import growth
 from .context import RunContext
 from .errors import DataError, MissingPathError, ModelError, StageError, working_on
 from .fingerprint import UnhashableInput, is_cacheable, stage_fingerprint, uncacheable
@@ -86,6 +87,8 @@ class Runner:
         self._keepalive: list[tempfile.TemporaryDirectory[str]] = []  # staging of unstored builds
         self.calls: dict[str, StageCall] = {}
         self.fusions = plan_fusions(self.graph, dict(recipe.stages))
+        self._lanes: dict[str, growth.Lane | None] = {}
+        self._extensions: dict[str, growth.Extension | None] = {}
         self._resolve()
 
     # ----------------------------------------------------------------- before work
@@ -200,6 +203,13 @@ class Runner:
                 action = "stream" if stage.kind == STREAM else "compute"
             call = self.calls[name]
             action = stage.plan_action(call) or action
+            note = stage.plan_note(call)
+            if action == "compute" and stage.cacheable:
+                extension = self.extension(name)
+                if extension is not None:
+                    action = extension.describe()
+                else:
+                    note = note or self._not_extended(name)
             rows.append(
                 PlanRow(
                     name,
@@ -210,10 +220,37 @@ class Runner:
                     action,
                     stage.estimate_bytes(self.specs[name]) if stage.cacheable else None,
                     self.specs[name],
-                    stage.plan_note(call),
+                    note,
                 )
             )
         return rows
+
+    # ------------------------------------------------------------ growing data
+    def lane(self, name: str) -> growth.Lane | None:
+        """How the data of cacheable stage ``name`` arrives (``pipeline.growth``), or None."""
+        if name not in self._lanes:
+            self._lanes[name] = growth.lane(self, name) if growth.recordable(self, name) else None
+        return self._lanes[name]
+
+    def extension(self, name: str) -> growth.Extension | None:
+        """The stored entry a missing entry of ``name`` extends (with the deltas), or None."""
+        if name not in self._extensions:
+            lane = self.lane(name)
+            found = None
+            stored = self.ctx.catalog.exists(self.fingerprints[name])
+            if lane is not None and lane.blocked is None and not stored:
+                found = growth.find_extension(self, name, lane)
+            self._extensions[name] = found
+        return self._extensions[name]
+
+    def _not_extended(self, name: str) -> str | None:
+        """Why a stored entry of ``name``'s family over other data is not extended, where there is one."""
+        lane = self.lane(name)
+        if lane is None or lane.blocked is None:
+            return None
+        if any(e.lineage.get(growth.FAMILY) == lane.family for e in self.ctx.catalog.entries()):
+            return f"built whole, not extended from the stored entry over other data: {lane.blocked}"
+        return None
 
     # ---------------------------------------------------------------------- work
     def output(self, name: str) -> Any:
@@ -237,12 +274,22 @@ class Runner:
             report.status = "reused"
             self.ctx.progress.log(f"[{name}] reusing stored {stage.kind} {fp[:12]} ({held.entry.describe()})")
         else:
-            inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
+            extension = self.extension(name) if stage.cacheable else None
+            if extension is not None:
+                lane = self.lane(name)
+                assert lane is not None  # an extension has a lane
+                self.ctx.progress.log(f"[{name}] {extension.describe()}")
+                inputs = {"input": growth.extended_stream(self, name, lane, extension)}
+            else:
+                inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
             start = time.perf_counter()  # exclude the inputs' own time
             if stage.cacheable:
                 value, report.bytes_written, reused = self._build(stage, call, inputs)
                 if reused:
                     report.status = "reused"
+                elif extension is not None:
+                    report.metrics = {**extension.summary(),
+                                      "computed_seconds": round(_stream_seconds(inputs["input"]), 3)}
             elif name in self.fusions:
                 fused = self.fusions[name]
                 values = {fused.upstream: inputs["input"], fused.source: self.output(fused.source)}
@@ -273,6 +320,9 @@ class Runner:
         name, fp = call.name, call.fingerprint
         assert call.lineage is not None  # every resolved stage has one
         lineage = call.lineage.manifest()
+        lane = self.lane(name)
+        if lane is not None:
+            lineage[growth.FAMILY] = lane.family
         if not is_cacheable(fp):
             # Still build through a staging directory, but never commit it under a fingerprint.
             tmp = tempfile.TemporaryDirectory(prefix=f"{name}-nocache-")
@@ -294,7 +344,11 @@ class Runner:
                 f"[{name}] computing {stage.kind} {fp[:12]}"
                 + (" (resuming an interrupted build)" if staging.resumed else "")
             )
-            return stage.build(self.ctx, inputs, staging.path, call)
+            written = stage.build(self.ctx, inputs, staging.path, call)
+            if lane is not None:  # what a grown dataset's build needs to extend this entry
+                keys = growth.write_keys(staging.path, call.spec, growth.sample_keys(self, lane.dataset))
+                written = {**(written or {}), growth.KEY_COUNTS: keys}
+            return written
 
         built = self.ctx.catalog.reuse_or_build(
             fp, stage.kind, lineage, build, resume=stage.resumable,
@@ -346,3 +400,12 @@ class Runner:
     @staticmethod
     def report_dict(report: StageReport) -> dict[str, Any]:
         return asdict(report)
+
+
+def _stream_seconds(stream: Any) -> float:
+    """Seconds the stages upstream of an extension spent on the new samples (their streams' stats)."""
+    total, current = 0.0, getattr(stream, "computed", None)
+    while isinstance(current, Stream):
+        total += current.stats.seconds
+        current = getattr(current, "parent", None)
+    return total

@@ -214,6 +214,13 @@ class Stage(RecipeModel):
         a dataset of image files."""
         return None
 
+    def sample_dependence(self) -> str | None:
+        """What makes one output sample depend on more than the same input sample (other samples, its
+        position, a statistic of the dataset); None when nothing does: each sample in, one sample out,
+        in order. A cache fed only through such stages extends sample by sample as data arrives
+        (pipeline.growth)."""
+        return f"{self.type_name} is not known to treat each sample on its own"
+
     # --- work -------------------------------------------------------------------
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> Any:
         raise NotImplementedError(f"{type(self).__name__} is cacheable: the runner calls build/load")

@@ -29,6 +29,8 @@ class Cache(Stage):
     version: ClassVar[int] = 2
     cacheable: ClassVar[bool] = True
     resumable: ClassVar[bool] = True
+    # a grown dataset's entry is built from a stored one plus the new samples (pipeline.growth)
+    extendable: ClassVar[bool] = True
     # Reading knobs change the order or speed samples are met at, never the stored content.
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"prefetch", "prefetch_max_bytes", "window_chunks", "read_through", "keep_in_memory_bytes",
@@ -98,7 +100,11 @@ class Cache(Stage):
         assert call.lineage is not None
         lineage = call.lineage.entry_attrs(stream.spec)
         executor = getattr(ctx, "executor", None)
-        if executor is not None:
+        extends = getattr(stream, "extends", None)
+        if executor is not None and extends is not None:
+            ctx.progress.log(f"[{name}] extending {extends[:12]} in this process: only the new samples are "
+                             "computed")
+        elif executor is not None:
             if is_cacheable(call.fingerprint):
                 # Each worker computes and writes its own chunks; the input stream is never pulled here.
                 layout = cache_layout(

@@ -67,6 +67,11 @@ class Decode(Stage):
         splits = {name: SplitSpec(s.num_samples, fields) for name, s in data.splits.items()}
         return data.as_stream(splits, resolution=self.resolution)
 
+    def sample_dependence(self) -> str | None:
+        if self.augment is not None and self.augment.splits:
+            return "input-space augmentation draws its crops by sample position"
+        return None
+
     def preprocessing(self) -> Preprocessing:
         return Preprocessing(self.resolution, tuple(self.mean), tuple(self.std))
 

@@ -146,6 +146,12 @@ class FrozenForward(Stage):
         # int8 results depend on the kernels; a fallback to fp32 must never share their fingerprint.
         return f"int8:{engine}" if engine else "int8-unavailable:fp32-fallback"
 
+    def sample_dependence(self) -> str | None:
+        if self.precision == "int8":
+            return (f"an int8 bottom is calibrated on the first {self.calibration_batches} batches of "
+                    f"{self.calibration_split!r} (a statistic of the dataset): its cache is built whole")
+        return None  # eval mode, batches padded (pipeline.ops.padded_forward): a sample's maps are its own
+
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         data, model = inputs["input"], inputs["model"]
         check_cut(self.train_last_blocks, model)

@@ -41,6 +41,9 @@ class Quantize(Stage):
     def _bits_for(self, split: str) -> int:
         return self.bits if split in self.splits else self.eval_bits
 
+    def sample_dependence(self) -> str | None:
+        return None  # ranges per sample and channel
+
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return coded_spec(inputs["input"], self._bits_for, self.bits, self.k, stage=self.type_name)
 
@@ -56,6 +59,9 @@ class Dequantize(Stage):
     inputs: ClassVar[dict[str, str]] = {"input": STREAM}
 
     input: str
+
+    def sample_dependence(self) -> str | None:
+        return None
 
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return decoded_spec(inputs["input"])

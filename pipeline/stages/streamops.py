@@ -39,6 +39,11 @@ class _OpStage(Stage):
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         return inputs["input"]
 
+    def sample_dependence(self) -> str | None:
+        # Batching, reading ahead and (training passes only) shuffling leave a written stream's samples
+        # as they are, in order.
+        return None
+
 
 class Rechunk(_OpStage):
     """Change the batch size mid-stream; every sample exactly once, order unchanged."""
@@ -47,6 +52,11 @@ class Rechunk(_OpStage):
     fingerprint_exclude: ClassVar[frozenset[str]] = frozenset({"batch_size", "drop_last"})
     batch_size: int = Field(..., ge=1)
     drop_last: bool = False
+
+    def sample_dependence(self) -> str | None:
+        if self.drop_last:
+            return "drop_last drops the samples of a short last batch, which depend on the others"
+        return None
 
     def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> OpStream:
         size, drop_last = self.batch_size, self.drop_last
