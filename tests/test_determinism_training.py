@@ -176,7 +176,8 @@ def test_a_step_gives_the_norm_its_own_buffers_back(restore_threads: None, fails
     assert int(bn.num_batches_tracked) == (0 if fails else 1)
     assert torch.equal(bn.running_mean, before) == fails
     bn.eval()
-    assert torch.equal(bn(x), nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+    expected = nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    assert torch.equal(bn(x), expected)
 
 
 def test_a_model_drawing_from_the_global_generator_runs_micro_batches_in_turn(restore_threads: None) -> None:

@@ -1,4 +1,4 @@
-"""A cache over an image folder that grew is the stored entry plus the new samples, byte for byte a full build.
+"""A cache over an image folder that grew: the stored entry plus the new samples, byte for byte a full build.
 
 Real parts: PNG files in class folders, a random-weight MobileNetV2 bottom, zarr and HDF5 entries in a real
 store. Each test grows a folder the way a device sees it (files added, removed, rewritten, moved to another
@@ -10,6 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from pipeline.cli import main
 from pipeline.growth import FAMILY, KEYS_FILE
 from stores.catalog import Catalog
 
+ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ("ant", "bee", "cat")
 BOOKKEEPING = {"manifest.json", ".last_used", "build.json"}
 
@@ -67,7 +71,8 @@ def recipe(path: Path, images: Path, *, fmt: str = "zarr", precision: str = "fp3
 
 def run(recipe_path: Path, store: Path, out: Path) -> dict[str, Any]:
     store.mkdir(parents=True, exist_ok=True)
-    assert main(["run", str(recipe_path), "--store", str(store), "--output", str(out), "--quiet", "--force"]) == 0
+    args = ["run", str(recipe_path), "--store", str(store), "--output", str(out), "--quiet", "--force"]
+    assert main(args) == 0
     return {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
 
 
@@ -104,7 +109,8 @@ def test_a_grown_folder_extends_the_stored_entry_to_the_full_builds_bytes(
     assert KEYS_FILE in before
     grow(images)
     shown = plan(r, store, capsys)
-    assert f"extend {first['fingerprint'][:12]}: +10 new, -2 removed, 34 reused (1 with another label)" in shown
+    said = f"extend {first['fingerprint'][:12]}: +10 new, -2 removed, 34 reused (1 with another label)"
+    assert said in shown
 
     grown = run(r, store, tmp_path / "run2")
     cache = grown["cache"]
@@ -120,8 +126,8 @@ def test_a_grown_folder_extends_the_stored_entry_to_the_full_builds_bytes(
     assert full["fingerprint"] == cache["fingerprint"] and "extended_from" not in full.get("metrics", {})
     assert content(store, cache["fingerprint"]) == content(fresh, full["fingerprint"])
     # the extended entry is extendable in turn, and verifies
-    entry = Catalog(store).lookup(cache["fingerprint"])
-    assert entry is not None and entry.lineage[FAMILY] == Catalog(fresh).lookup(full["fingerprint"]).lineage[FAMILY]
+    entry, built = Catalog(store).lookup(cache["fingerprint"]), Catalog(fresh).lookup(full["fingerprint"])
+    assert entry is not None and built is not None and entry.lineage[FAMILY] == built.lineage[FAMILY]
     assert Catalog(store).verify(cache["fingerprint"]).ok
 
 
@@ -151,3 +157,64 @@ def test_a_damaged_keys_file_is_a_damaged_entry_and_nothing_is_extended_from_it(
     keys.write_bytes(bytes(data))
     report = Catalog(store).verify(first["fingerprint"])
     assert not report.ok and KEYS_FILE in str(report.problems)
+
+
+KILL_AT_VAL = """
+import os, signal, sys
+from pipeline.ops import extend
+from pipeline.cli import main
+
+opened = extend.ExtendedStream.open
+
+def open_then_die(self, split, **kw):
+    if split == "val":  # train is written (or being written): the kill lands mid-extension
+        os.kill(os.getpid(), signal.SIGKILL)
+    yield from opened(self, split, **kw)
+
+extend.ExtendedStream.open = open_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_extension_killed_midway_resumes_to_the_same_bytes_and_keeps_the_old_entry(
+        tmp_path: Path) -> None:
+    images = folder(tmp_path / "photos", 12)
+    store = tmp_path / "store"
+    r = recipe(tmp_path / "r.yaml", images)
+    first = run(r, store, tmp_path / "run1")["cache"]
+    before = content(store, first["fingerprint"])
+    grow(images)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_VAL, "run", str(r), "--store", str(store),
+                             "--output", str(tmp_path / "killed"), "--quiet"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [e.fingerprint for e in Catalog(store).entries() if e.kind == "stream"] == [first["fingerprint"]]
+    assert content(store, first["fingerprint"]) == before  # the stored entry is untouched and still used
+    cache = run(r, store, tmp_path / "run2")["cache"]
+    assert cache["metrics"]["extended_from"] == first["fingerprint"]
+    full = run(r, tmp_path / "fresh", tmp_path / "run3")["cache"]
+    assert content(store, cache["fingerprint"]) == content(tmp_path / "fresh", full["fingerprint"])
+
+
+def test_on_dask_an_extension_is_computed_by_the_client_to_the_same_bytes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.executors.dask_build import start_local_cluster
+
+    images = folder(tmp_path / "photos", 12)
+    store = tmp_path / "store"
+    r = recipe(tmp_path / "r.yaml", images)
+    with start_local_cluster(1, 1) as cluster:
+        data = yaml.safe_load(r.read_text())
+        data["executor"] = {"type": "dask", "address": cluster.scheduler_address, "partition_chunks": 1,
+                            "torch_threads": 1}
+        r.write_text(yaml.safe_dump(data, sort_keys=False))
+        first = run(r, store, tmp_path / "run1")["cache"]
+        grow(images)
+        capsys.readouterr()
+        store.mkdir(exist_ok=True)
+        assert main(["run", str(r), "--store", str(store), "--output", str(tmp_path / "run2")]) == 0
+        said = capsys.readouterr()
+        assert f"extending {first['fingerprint'][:12]} in this process" in said.out + said.err
+        cache = {s["name"]: s for s in json.loads((tmp_path / "run2" / "summary.json").read_text())["stages"]}
+    full = run(recipe(tmp_path / "local.yaml", images), tmp_path / "fresh", tmp_path / "run3")["cache"]
+    assert content(store, cache["cache"]["fingerprint"]) == content(tmp_path / "fresh", full["fingerprint"])
