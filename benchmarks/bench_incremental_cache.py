@@ -143,6 +143,13 @@ def measure(pixels: np.ndarray, labels: np.ndarray, names: list[str], args: argp
     }
 
 
+def headline(results: list[dict[str, Any]]) -> str:
+    parts = [f"{r['resolution']} px {r['extend_over_full_cache_stage']:.2f}x the cache stage "
+             f"({r['extend_over_full_wall']:.2f}x end to end)" for r in results]
+    same = all(r["same_bytes"] for r in results)
+    return "10% more images: extension " + ", ".join(parts) + (", same bytes" if same else ", BYTES DIFFER")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-class", type=int, default=600)
@@ -167,6 +174,7 @@ def main() -> None:
         "bar": {f"{r['resolution']}px": {"extend_at_most_0.15_of_full": r["extend_over_full_wall"] <= 0.15,
                                          "same_bytes": r["same_bytes"]} for r in results},
     }
+    payload["headline"] = headline(results)
     path = write_result("incremental", payload, Path(tempfile.mkdtemp()) if args.quick else None)
     for r in results:
         print(f"{r['resolution']} px: extension {r['extend_over_full_wall']:.3f}x the rebuild's time end "
