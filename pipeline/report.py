@@ -456,6 +456,15 @@ def write_run_outputs(
             lines.append(f"- `{s['name']}`: cut {source.train_last_blocks} of `{source.stream}` "
                          f"(`{str(source.fingerprint)[:12]}`), {blocks}: {m['samples']} samples in "
                          f"{m['seconds']:.2f} s{rate}")
+    extended = [s for s in stages if "extended_from" in s.get("metrics", {})]
+    if extended:
+        lines += ["", "Extended from a stored entry (only the new samples were computed):", ""]
+        for s in extended:
+            m = s["metrics"]
+            moved = f", {m['relabelled']} kept with another label" if m.get("relabelled") else ""
+            lines.append(f"- `{s['name']}`: from `{str(m['extended_from'])[:12]}`: +{m['new']} new, "
+                         f"-{m['removed']} removed, {m['reused']} reused{moved}; {m['computed_seconds']:.2f} "
+                         f"s upstream on the new samples, {s['seconds']:.2f} s in all")
     if results:
         lines += [
             "",

@@ -276,6 +276,16 @@ class Runner:
         else:
             extension = self.extension(name) if stage.cacheable else None
             if extension is not None:
+                # Held while it is read: a budget's eviction (making room for the new entry) leaves it be.
+                base, problem = self.ctx.catalog.use_undamaged(extension.base.fingerprint)
+                if base is None:
+                    gone = extension.base.fingerprint[:12]
+                    self.ctx.progress.log(f"[{name}] the stored entry {gone} to extend is gone or damaged "
+                                          f"({problem or 'removed'}); building whole")
+                    extension = None
+                else:
+                    self._held.append(base)
+            if extension is not None:
                 lane = self.lane(name)
                 assert lane is not None  # an extension has a lane
                 self.ctx.progress.log(f"[{name}] {extension.describe()}")

@@ -118,6 +118,9 @@ def test_a_grown_folder_extends_the_stored_entry_to_the_full_builds_bytes(
     assert {k: cache["metrics"][k] for k in ("new", "removed", "reused", "relabelled")} == \
         {"new": 10, "removed": 2, "reused": 34, "relabelled": 1}
     assert cache["metrics"]["extended_from"] == first["fingerprint"]
+    report = (tmp_path / "run2" / "report.md").read_text()
+    said = f"`cache`: from `{first['fingerprint'][:12]}`: +10 new, -2 removed, 34 reused, 1 kept with another"
+    assert said in report
     # the stored entry is still there, as it was (the new one was built beside it)
     assert content(store, first["fingerprint"]) == before
 
@@ -157,6 +160,12 @@ def test_a_damaged_keys_file_is_a_damaged_entry_and_nothing_is_extended_from_it(
     keys.write_bytes(bytes(data))
     report = Catalog(store).verify(first["fingerprint"])
     assert not report.ok and KEYS_FILE in str(report.problems)
+    # a grown folder is then built whole, never extended from keys that no longer match their checksum
+    grow(images)
+    cache = run(r, store, tmp_path / "run2")["cache"]
+    assert "extended_from" not in cache.get("metrics", {})
+    full = run(r, tmp_path / "fresh", tmp_path / "run3")["cache"]
+    assert content(store, cache["fingerprint"]) == content(tmp_path / "fresh", full["fingerprint"])
 
 
 KILL_AT_VAL = """
