@@ -10,7 +10,7 @@ An arrow means "may import"; nothing imports a layer above its own:
                 commands' work), pipeline.choose.* (the choose command: a search over runs),
                 pipeline.sweep.* (the sweep command: runs of the API, planned together)
     4 config    pipeline.recipe, pipeline.registry, pipeline.derive_cuts (a recipe rewrite for sweeps)
-    3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.memory_report,
+    3 engine    pipeline.graph, pipeline.runner, pipeline.fusion, pipeline.growth, pipeline.memory_report,
                 pipeline.report, pipeline.executors.* (the CLI picks the executor and hands it to the
                 run context; a Dask worker re-creates its recipe through the client's Recipe class)
     2 stages    pipeline.stages.*, pipeline.methods.*   (peers that never import each other:
@@ -56,8 +56,8 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
          "pipeline.scaffold", "pipeline.deploy.commands", "pipeline.deploy.export", "pipeline.deploy.predict",
          "pipeline.deploy.evaluate", "pipeline.choose", "pipeline.sweep")),
     (4, ("pipeline.recipe", "pipeline.registry", "pipeline.derive_cuts")),
-    (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.memory_report", "pipeline.report",
-         "pipeline.executors")),
+    (3, ("pipeline.graph", "pipeline.runner", "pipeline.fusion", "pipeline.growth", "pipeline.memory_report",
+         "pipeline.report", "pipeline.executors")),
     (2, ("pipeline.stages", "pipeline.methods", "pipeline.deploy")),
     (1, ("pipeline.ops", "pipeline.models", "pipeline.data", "pipeline.codec")),
 ]
