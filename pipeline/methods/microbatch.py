@@ -134,6 +134,14 @@ class _StepBuffers(dict):  # type: ignore[type-arg]
 _MICRO_BATCH_BUFFERS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
+def _fits(view: _StepBuffers, like: torch.Tensor) -> bool:
+    """Whether a norm's kept micro-batch buffers still match its statistics (not moved or converted)."""
+    if not view.scratch:
+        return True
+    mine = view.scratch[0]["running_mean"]
+    return bool(mine.shape == like.shape and mine.dtype == like.dtype and mine.device == like.device)
+
+
 class MicroBatches:
     """One model's steps in micro-batches on a pool of threads (see the module's docstring).
 
@@ -158,7 +166,7 @@ class MicroBatches:
                                   and type(m).forward is stock]
         drop_types = _dropout_types()
         self._drops: list[Any] = [m for m in model.modules() if isinstance(m, drop_types)]
-        self._scratch: dict[int, list[_MicroBatchBuffers]] = {}  # id(norm) -> this step's buffers
+        self._views: dict[int, _StepBuffers] = {}  # id(norm) -> its buffers during a step
         self._dropping: dict[int, float] = {}  # id -> the drop probability this step applies itself
         self._hooks: list[Any] = []
         self._threads_before: int | None = None
@@ -280,40 +288,65 @@ class MicroBatches:
     # -- batch norm: statistics per micro-batch, running averages once per step
     def _take_running(self, active: list[Any], count: int) -> list[tuple[Any, Any, Any, Any]]:
         kept = []
+        means, variances, counts = [], [], []
         for m in active:
             kept.append((m.running_mean, m.running_var, m.num_batches_tracked, m.momentum))
             # Each micro-batch's norm writes its statistics into buffers of its own (threads never
             # write to one tensor), with a factor of exactly 1: momentum None turns the factor into
-            # 1 / num_batches_tracked, and those buffers count from 0.
-            scratch = [_MicroBatchBuffers(m.running_mean) for _ in range(count)]
-            self._scratch[id(m)] = scratch
-            m.__dict__["_buffers"] = _StepBuffers(m._buffers, scratch)
+            # 1 / num_batches_tracked, and those buffers count from 0. The views and buffers are kept
+            # from step to step (set back to zeros, ones and 0 below): per step, a few calls over all.
+            view = self._views.get(id(m))
+            if view is None or view.real is not m._buffers or not _fits(view, m.running_mean):
+                view = self._views[id(m)] = _StepBuffers(m._buffers, [])
+            while len(view.scratch) < count:
+                view.scratch.append(_MicroBatchBuffers(m.running_mean))
+            for buffers in view.scratch[:count]:
+                means.append(buffers["running_mean"])
+                variances.append(buffers["running_var"])
+                counts.append(buffers["num_batches_tracked"])
+            m.__dict__["_buffers"] = view
             m.momentum = None
+        if means:
+            with torch.no_grad():
+                torch._foreach_zero_(means + variances + counts)
+                torch._foreach_add_(variances, 1.0)
         return kept
 
     def _give_back_running(self, active: list[Any], kept: list[tuple[Any, Any, Any, Any]],
                            slices: list[slice], n: int, *, update: bool) -> None:
-        try:
-            for m, (mean, var, tracked, momentum) in zip(active, kept, strict=True):
-                m.__dict__["_buffers"] = m._buffers.real
-                m.momentum = momentum
-                if not update:
-                    continue
-                batch_mean: Any = None
-                batch_var: Any = None
-                for s, stats in zip(slices, self._scratch[id(m)], strict=True):
-                    w = (s.stop - s.start) / n
-                    mi, vi = stats["running_mean"], stats["running_var"]
-                    batch_mean = mi * w if batch_mean is None else batch_mean + mi * w
-                    batch_var = vi * w if batch_var is None else batch_var + vi * w
-                with torch.no_grad():
-                    if tracked is not None:
-                        tracked.add_(1)
-                    f = momentum if momentum is not None else 1.0 / float(tracked)
-                    mean.mul_(1 - f).add_(batch_mean.to(mean.dtype), alpha=f)
-                    var.mul_(1 - f).add_(batch_var.to(var.dtype), alpha=f)
-        finally:
-            self._scratch.clear()
+        for m, (_mean, _var, _tracked, momentum) in zip(active, kept, strict=True):
+            m.__dict__["_buffers"] = m._buffers.real
+            m.momentum = momentum
+        if not update or not active:
+            return
+        # The size-weighted sum over micro-batches, in their order, for every norm at once (the same
+        # operations, element by element, as one norm at a time).
+        views = [self._views[id(m)] for m in active]
+        with torch.no_grad():
+            batch_mean: list[Any] = []
+            batch_var: list[Any] = []
+            for i, s in enumerate(slices):
+                w = (s.stop - s.start) / n
+                mi = torch._foreach_mul([v.scratch[i]["running_mean"] for v in views], w)
+                vi = torch._foreach_mul([v.scratch[i]["running_var"] for v in views], w)
+                if i == 0:
+                    batch_mean, batch_var = list(mi), list(vi)
+                else:
+                    torch._foreach_add_(batch_mean, mi)
+                    torch._foreach_add_(batch_var, vi)
+            tracked = [t for _, _, t, _ in kept if t is not None]
+            if tracked:
+                torch._foreach_add_(tracked, 1)
+            factors: dict[float, list[int]] = {}
+            for j, (_, _, t, momentum) in enumerate(kept):
+                f = momentum if momentum is not None else 1.0 / float(t)
+                factors.setdefault(f, []).append(j)
+            for f, js in factors.items():
+                for stats, index in ((batch_mean, 0), (batch_var, 1)):
+                    running = [kept[j][index] for j in js]
+                    update_by = [stats[j].to(r.dtype) for j, r in zip(js, running, strict=True)]
+                    torch._foreach_mul_(running, 1 - f)
+                    torch._foreach_add_(running, update_by, alpha=f)
 
     # -- dropout: masks from the micro-batch's own generator
     def _apply_mask(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
