@@ -36,7 +36,7 @@ from .data.dataset import DatasetValue
 from .data.sampleset import KEY_DTYPE
 from .fingerprint import canonical_json, is_cacheable, stage_fingerprint
 from .ops.cache import SPEC_ATTR, open_entry_reader, spec_from_json
-from .ops.extend import FROM_DATASET, ExtendedStream, SplitDelta
+from .ops.extend import ExtendedStream, SplitDelta
 from .spec import DATASET, MODEL, STREAM, Spec, SplitSpec
 from .stream import Stream
 
@@ -67,30 +67,19 @@ class Extension:
     base: Entry
     deltas: dict[str, SplitDelta]
 
-    @property
-    def new(self) -> int:
-        return sum(d.new for d in self.deltas.values())
-
-    @property
-    def removed(self) -> int:
-        return sum(d.removed for d in self.deltas.values())
-
-    @property
-    def reused(self) -> int:
-        return sum(d.reused for d in self.deltas.values())
-
-    @property
-    def relabelled(self) -> int:
-        return sum(d.relabelled for d in self.deltas.values())
+    def counts(self) -> dict[str, int]:
+        """Samples new, removed, reused and reused with another label, over all splits."""
+        return {what: sum(getattr(d, what) for d in self.deltas.values())
+                for what in ("new", "removed", "reused", "relabelled")}
 
     def describe(self) -> str:
-        text = (f"extend {self.base.fingerprint[:12]}: +{self.new} new, -{self.removed} removed, "
-                f"{self.reused} reused")
-        return text + (f" ({self.relabelled} with another label)" if self.relabelled else "")
+        c = self.counts()
+        text = (f"extend {self.base.fingerprint[:12]}: +{c['new']} new, -{c['removed']} removed, "
+                f"{c['reused']} reused")
+        return text + (f" ({c['relabelled']} with another label)" if c["relabelled"] else "")
 
     def summary(self) -> dict[str, Any]:
-        return {"extended_from": self.base.fingerprint, "new": self.new, "removed": self.removed,
-                "reused": self.reused, "relabelled": self.relabelled}
+        return {"extended_from": self.base.fingerprint, **self.counts()}
 
 
 def lane(runner: Runner, name: str) -> Lane | None:
@@ -246,7 +235,7 @@ def computed_stream(runner: Runner, lane_: Lane, ext: Extension) -> Stream:
     return value  # type: ignore[no-any-return]
 
 
-def extended_stream(runner: Runner, name: str, lane_: Lane, ext: Extension) -> ExtendedStream:
+def extended_stream(runner: Runner, lane_: Lane, ext: Extension) -> ExtendedStream:
     spec = runner.specs[lane_.path[-1]]
     data: DatasetValue = runner.output(lane_.dataset)
     labels = {split: data.splits[split].labels for split in spec.splits}
@@ -265,5 +254,5 @@ def recordable(runner: Runner, name: str) -> bool:
     return bool(getattr(stage, "extendable", False)) and is_cacheable(runner.fingerprints[name])
 
 
-__all__ = ["FROM_DATASET", "KEYS_FILE", "Extension", "Lane", "computed_stream", "extended_stream",
+__all__ = ["KEYS_FILE", "Extension", "Lane", "computed_stream", "extended_stream",
            "family", "find_extension", "lane", "read_keys", "recordable", "write_keys"]

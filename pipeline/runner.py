@@ -289,7 +289,7 @@ class Runner:
                 lane = self.lane(name)
                 assert lane is not None  # an extension has a lane
                 self.ctx.progress.log(f"[{name}] {extension.describe()}")
-                inputs = {"input": growth.extended_stream(self, name, lane, extension)}
+                inputs = {"input": growth.extended_stream(self, lane, extension)}
             else:
                 inputs = {field: self.output(parent) for field, parent in self.graph.edges[name].items()}
             start = time.perf_counter()  # exclude the inputs' own time
