@@ -132,6 +132,7 @@ def run(
     """
     from .report import clear_run_dir, failure_of, recording_skipped_samples, write_run_outputs
     from .threads import install as install_threads
+    from .threads import settle as settle_threads
     from .threads import uninstall as uninstall_threads
 
     resolved, _ = load_checked(recipe, overrides)  # a recipe that does not load: refused before anything
@@ -151,9 +152,11 @@ def run(
             f"user (uid {os.getuid()}); fix: give this user write access to it, or pass --output DIR"
         ) from None
     given = _override_texts(overrides)
-    # run.threads, applied here only: a fixed count once; auto from the cores this process may use,
-    # then adapted by the training loops (pipeline/threads.py).
-    install_threads(resolved.run.threads, log=ctx.progress.log, deterministic=resolved.run.deterministic)
+    # run.threads, applied here only: a fixed count once; auto from the cores this process may use less
+    # those other processes keep busy meanwhile (looked at until settled, below), then adapted by the
+    # training loops (pipeline/threads.py).
+    install_threads(resolved.run.threads, log=ctx.progress.log, deterministic=resolved.run.deterministic,
+                    measure_idle=True)
     start = time.perf_counter()
     runner: Runner | None = None
     with recording_skipped_samples() as skipped:
@@ -163,6 +166,7 @@ def run(
                 # threads); one that fails is recorded in the run directory like any other stop.
                 runner = resolve_recipe(resolved, context=ctx).runner
                 check_budget(runner, ctx.catalog.max_bytes)  # before any work
+                settle_threads()
                 reports = runner.run()
             finally:
                 uninstall_threads()  # a later run in this process (tests, notebooks) starts from its own

@@ -1,7 +1,8 @@
 """How many threads torch computes on, and how that number follows the load on the machine.
 
 ``run.threads: auto`` (the default) starts from the cores this process may use (its CPU affinity and
-its cgroup's CPU quota, whichever is smaller) and adapts while training. Why adapt: torch's intra-op
+its cgroup's CPU quota, whichever is smaller) less those other processes keep busy when the run's
+computation begins (:class:`IdleProbe`), and adapts while training. Why adapt: torch's intra-op
 pool is OpenMP, whose threads meet at a barrier at the end of every parallel region. When another
 process takes one of the cores, one of our threads is descheduled and every step waits for it, so N
 threads on N shared cores can be several times slower than fewer threads. No count is right in
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +46,7 @@ else:
 ThreadSetting = int | Literal["auto"]
 
 PROC_CGROUP = Path("/proc/self/cgroup")
+PROC_STAT = Path("/proc/stat")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -154,6 +157,86 @@ def available_cores(affinity: int | None = None, cpu_limit: float | None = None,
     if detect and (env := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) >= 1:
         cores = min(cores, int(env))  # the user's own cap, as torch's default honours it
     return max(1, cores)
+
+
+# ------------------------------------------------------------------------------ idle cores
+IDLE_SAMPLE_SECONDS = 0.1  # the shortest look at the machine: 10 scheduler ticks per CPU at 100 Hz
+
+
+def cpu_jiffies(cpus: set[int] | None, stat: Path = PROC_STAT) -> tuple[int, int] | None:
+    """(busy, total) scheduler ticks since boot, summed over ``cpus`` (all CPUs when None), from
+    ``/proc/stat``; None where it cannot be read (not Linux). Idle and I/O wait count as not busy."""
+    text = _read(stat)
+    if text is None:
+        return None
+    busy = total = 0
+    seen = False
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit():
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        # user nice system idle iowait irq softirq steal (guest time is already inside user)
+        ticks = [int(f) for f in fields[:8]]
+        busy += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
+        total += sum(ticks)
+        seen = True
+    return (busy, total) if seen else None
+
+
+@dataclass
+class IdleProbe:
+    """How many of this process's cores other processes leave idle, seen between :meth:`start` and
+    :meth:`idle_cores`: the CPUs' busy time less this process's own CPU time, over the wall time.
+
+    Why measure: ``auto`` starting from every usable core loses most at the start of a run on a
+    busy machine (the cache build runs before any training loop has timed a step), where a core
+    another process keeps busy makes every OpenMP barrier wait. The look is taken from ``install``
+    until the first computation, so it costs nothing when planning took longer than
+    ``IDLE_SAMPLE_SECONDS``.
+    """
+
+    cpus: set[int] | None = None
+    stat: Path = PROC_STAT
+    clock: Callable[[], float] = time.monotonic
+    cpu_clock: Callable[[], float] = time.process_time  # every thread of this process
+    ticks_per_second: float = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    _start: tuple[float, float, tuple[int, int]] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        jiffies = cpu_jiffies(self.cpus, self.stat)
+        self._start = None if jiffies is None else (self.clock(), self.cpu_clock(), jiffies)
+
+    def others_busy(self, sleep: Callable[[float], None] = time.sleep) -> float | None:
+        """Cores' worth of CPU time other processes used since :meth:`start` (None: nothing to read)."""
+        if self._start is None:
+            return None
+        wall0, own0, (busy0, _total0) = self._start
+        wait = IDLE_SAMPLE_SECONDS - (self.clock() - wall0)
+        if wait > 0:
+            sleep(wait)
+        jiffies = cpu_jiffies(self.cpus, self.stat)
+        wall = self.clock() - wall0
+        if jiffies is None or wall <= 0:
+            return None
+        busy = (jiffies[0] - busy0) / self.ticks_per_second
+        own = self.cpu_clock() - own0
+        return max(0.0, busy - own) / wall
+
+    def idle_cores(self, cores: int, sleep: Callable[[float], None] = time.sleep) -> int:
+        """``cores`` less the cores other processes keep busy (rounded to the nearest; at least 1)."""
+        others = self.others_busy(sleep)
+        if others is None:
+            return cores
+        return max(1, min(cores, cores - math.floor(others + 0.5)))
+
+
+def _affinity_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 # -------------------------------------------------------------------------------- controller
@@ -364,7 +447,8 @@ class StepPacer:
 
 @dataclass
 class ThreadPolicy:
-    """``run.threads`` as applied to this process: a fixed count, or ``auto`` from ``cores``."""
+    """``run.threads`` as applied to this process: a fixed count, or ``auto`` from ``cores`` (less those
+    ``probe`` finds other processes keeping busy, looked at once, when the first computation starts)."""
 
     setting: ThreadSetting
     cores: int
@@ -372,14 +456,42 @@ class ThreadPolicy:
     deterministic: bool = True
     tuning: Tuning = field(default_factory=Tuning)
     clock: Callable[[], float] = time.perf_counter
+    probe: IdleProbe | None = None
     _last: ThreadController | None = field(default=None, repr=False)  # the latest loop's controller
+    _start: int | None = field(default=None, repr=False)  # auto's start, once settled
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def adaptive(self) -> bool:
         return self.setting == "auto"
 
     def initial(self) -> int:
-        return self.cores if self.setting == "auto" else int(self.setting)
+        """The count computation starts from: a fixed setting; auto's cores, less the busy ones once
+        :meth:`settle` has looked."""
+        if self.setting != "auto":
+            return int(self.setting)
+        return self._start if self._start is not None else self.cores
+
+    def settle(self) -> int:
+        """Under auto, look once at how busy the machine is (``probe``) and start from the idle cores:
+        torch's intra-op count is set to them. Later calls return the same count."""
+        if self.setting != "auto":
+            return int(self.setting)
+        with self._lock:
+            if self._start is None:
+                start = self.probe.idle_cores(self.cores) if self.probe is not None else self.cores
+                self._start = start
+                if start != self.cores:
+                    torch.set_num_threads(start)
+                    if self.log is not None:
+                        self.log(f"threads: auto starts at {start} of {self.cores} cores (other processes "
+                                 f"keep {self.cores - start} busy); training probes up when they go quiet")
+            return self._start
+
+    def current(self) -> int:
+        """The count a new loop starts from: what the latest training loop settled on, else the start."""
+        last = self._last
+        return last.threads if last is not None else self.settle()
 
     def pacer(self, apply: Callable[[int], None] | None = None, start: int | None = None,
               top: int | None = None) -> StepPacer:
@@ -387,6 +499,7 @@ class ThreadPolicy:
         (the number of micro-batch threads), from ``start`` up to ``top``."""
         if not self.adaptive:
             return StepPacer(None)
+        self.settle()
         last = self._last
         wait = last.up_wait if last is not None and last.threads < last.ladder[-1] else None
         controller = ThreadController(top=min(self.cores, top or self.cores),
@@ -401,18 +514,30 @@ _installed: ThreadPolicy | None = None
 
 
 def install(setting: ThreadSetting, log: Callable[[str], None] | None = None, *,
-            deterministic: bool = True) -> ThreadPolicy:
+            deterministic: bool = True, measure_idle: bool = False) -> ThreadPolicy:
     """Apply ``run.threads`` and ``run.deterministic`` to this process (the one place that does): set
-    torch's thread count, and make :func:`step_pacer` adapt it when ``setting`` is ``auto``."""
+    torch's thread count, and make :func:`step_pacer` adapt it when ``setting`` is ``auto``.
+    ``measure_idle`` (a run does; tests that count threads do not): auto's start leaves out the cores
+    other processes keep busy, looked at from now until :func:`settle`."""
     global _installed
+    probe = None
+    if setting == "auto" and measure_idle:
+        probe = IdleProbe(_affinity_cpus())
+        probe.start()
     policy = ThreadPolicy(setting, available_cores() if setting == "auto" else int(setting), log,
-                          deterministic)
+                          deterministic, probe=probe)
     torch.set_num_threads(policy.initial())
     if deterministic:  # cuDNN's autotuner and its atomics-based kernels vary run to run
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     _installed = policy
     return policy
+
+
+def settle() -> int | None:
+    """Auto's start, measured now if it was not yet (call it as the computation begins); None when no
+    policy is installed."""
+    return _installed.settle() if _installed is not None else None
 
 
 def uninstall() -> None:
@@ -437,6 +562,7 @@ def deterministic() -> bool:
 
 
 def compute_threads() -> int:
-    """Threads a deterministic loop starts with: the installed count (auto: the usable cores), else
+    """Threads a deterministic loop (training, evaluation) starts with: under auto, what the latest
+    training loop settled on, else the idle cores measured at the start; a fixed count; with no policy,
     the cores this process may use."""
-    return _installed.initial() if _installed is not None else available_cores()
+    return _installed.current() if _installed is not None else available_cores()

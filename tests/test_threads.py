@@ -22,12 +22,15 @@ from pipeline.cli import main
 from pipeline.errors import RecipeError
 from pipeline.recipe import load_recipe, recipe_from_dict
 from pipeline.threads import (
+    IDLE_SAMPLE_SECONDS,
+    IdleProbe,
     StepPacer,
     ThreadController,
     ThreadPolicy,
     Tuning,
     available_cores,
     cgroup_cpu_limit,
+    cpu_jiffies,
     parse_cfs,
     parse_cpu_max,
     physical_cores,
@@ -255,6 +258,118 @@ def test_pacer_times_steps_per_sample_from_the_clock() -> None:
 def test_a_fixed_setting_has_an_inert_pacer() -> None:
     assert ThreadPolicy(2, 2).pacer().controller is None
     assert ThreadPolicy("auto", 2).pacer().controller is not None
+
+
+# ------------------------------------------------------------------------------ idle cores
+def write_stat(path: Path, per_cpu: dict[int, tuple[int, int]]) -> None:
+    """A /proc/stat with each CPU's (busy, idle) ticks, busy split over user and system."""
+    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+    for cpu, (busy, idle) in per_cpu.items():
+        lines.append(f"cpu{cpu} {busy - busy // 3} 0 {busy // 3} {idle} 0 0 0 0 0 0")
+    lines += ["intr 12345", "ctxt 678"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_jiffies_sum_busy_and_total_over_the_cpus_asked(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    write_stat(stat, {0: (300, 700), 1: (50, 950), 2: (1000, 0)})
+    assert cpu_jiffies(None, stat) == (1350, 3000)
+    assert cpu_jiffies({0, 2}, stat) == (1300, 2000)  # the affinity mask's CPUs only
+    assert cpu_jiffies({7}, stat) is None and cpu_jiffies(None, tmp_path / "absent") is None
+
+
+class FakeMachine:
+    """/proc/stat, a wall clock and this process's CPU clock that advance together: ``busy`` cores'
+    worth of other processes' work and ``own`` of this process's per second of wall time."""
+
+    def __init__(self, path: Path, cpus: int, busy: float, own: float = 0.0) -> None:
+        self.path, self.cpus, self.busy, self.own = path, cpus, busy, own
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.write()
+
+    def write(self) -> None:
+        ticks = 100 * self.now
+        per = (self.busy + self.own) / self.cpus  # every CPU equally loaded
+        write_stat(self.path, {c: (round(per * ticks), round((1 - per) * ticks)) for c in range(self.cpus)})
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.write()
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.advance(seconds)
+
+    def probe(self) -> IdleProbe:
+        probe = IdleProbe(None, self.path, clock=lambda: self.now, cpu_clock=lambda: self.own * self.now,
+                          ticks_per_second=100.0)
+        probe.start()
+        return probe
+
+
+@pytest.mark.parametrize("busy,own,idle", [(0.0, 0.0, 4), (1.0, 0.0, 3), (2.2, 0.0, 2), (3.6, 0.0, 1),
+                                           (8.0, 0.0, 1), (0.0, 1.0, 4), (1.0, 1.0, 3)])
+def test_the_probe_counts_the_cores_other_processes_leave_idle(tmp_path: Path, busy: float, own: float,
+                                                                idle: int) -> None:
+    machine = FakeMachine(tmp_path / "stat", 4, busy, own)
+    probe = machine.probe()
+    machine.advance(2.0)  # planning took 2 s: nothing to wait for
+    assert probe.idle_cores(4, machine.sleep) == idle  # this process's own work is not another's load
+    assert machine.sleeps == []
+
+
+def test_a_short_look_waits_out_the_sample_and_an_unreadable_one_keeps_every_core(tmp_path: Path) -> None:
+    machine = FakeMachine(tmp_path / "stat", 2, 1.0)
+    probe = machine.probe()
+    machine.advance(0.03)
+    assert probe.idle_cores(2, machine.sleep) == 1
+    assert machine.sleeps == [pytest.approx(IDLE_SAMPLE_SECONDS - 0.03)]
+    blind = IdleProbe(None, tmp_path / "absent")
+    blind.start()
+    assert blind.idle_cores(2, machine.sleep) == 2
+
+
+def test_auto_starts_from_the_idle_cores_once_and_loops_carry_on_from_the_last(
+        tmp_path: Path, torch_threads: list[int]) -> None:
+    machine = FakeMachine(tmp_path / "stat", 4, 2.0)
+    said: list[str] = []
+    policy = ThreadPolicy("auto", 4, log=said.append, probe=machine.probe())
+    machine.advance(1.0)
+    assert policy.initial() == 4  # not looked yet
+    assert policy.settle() == 2 and torch_threads == [2]
+    assert "auto starts at 2 of 4 cores" in said[0]
+    machine.busy = 0.0
+    machine.advance(1.0)
+    assert policy.settle() == 2 and policy.initial() == 2 and torch_threads == [2]  # looked once
+    assert policy.current() == 2
+    controller = policy.pacer().controller
+    assert controller is not None and controller.threads == 2 and controller.ladder[-1] == 4  # may grow
+    controller._switch(3, "forced")
+    assert policy.current() == 3  # evaluation after training starts where training ended
+    fixed = ThreadPolicy(2, 2, probe=machine.probe())
+    assert fixed.settle() == 2 and fixed.current() == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not Path("/proc/stat").exists(), reason="needs two CPUs and /proc/stat (Linux)")
+def test_on_this_machine_two_spinning_processes_take_cores_away(torch_threads: list[int]) -> None:
+    spin = "import time\nend = time.time() + 5\nwhile time.time() < end: pass\n"
+    cpus = sorted(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(min(len(cpus), 2))]
+    try:
+        import time
+
+        time.sleep(0.5)  # both spinning
+        policy = threads.install("auto", measure_idle=True)
+        time.sleep(0.4)
+        start = threads.settle()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert start is not None and start <= max(1, policy.cores - 1)
+    assert threads.compute_threads() == start
 
 
 # ----------------------------------------------------------------------- through the trainer

@@ -161,6 +161,22 @@ def test_update_run_dir_grows_the_head_and_replays(base: dict[str, Path],
         (out / "stages" / "two_stage" / "model.pt").read_bytes()
 
 
+def test_update_with_distillation_records_it_and_trains_another_model(base: dict[str, Path]) -> None:
+    plain, distilled = base["root"] / "plain-1", base["root"] / "distilled"
+    assert main(["update", str(base["run"]), "--set", GROWN, "--epochs", "1", "--output", str(plain),
+                 "--quiet"]) == 0
+    assert main(["update", str(base["run"]), "--set", GROWN, "--set", "stages.two_stage.distill=2",
+                 "--epochs", "1", "--output", str(distilled), "--quiet"]) == 0
+    metrics = summary(distilled)["metrics"]
+    assert metrics["distill"] == {"weight": 2.0, "temperature": 2.0}
+    assert "distill" not in summary(plain)["metrics"]
+    _state, description = read_model_file(distilled / "stages" / "two_stage" / "model.pt")
+    assert description["notes"]["warm_start"]["distill"] == 2.0
+    assert stage_of(distilled, "two_stage")["fingerprint"] != stage_of(plain, "two_stage")["fingerprint"]
+    assert (distilled / "stages" / "two_stage" / "model.pt").read_bytes() != \
+        (plain / "stages" / "two_stage" / "model.pt").read_bytes()
+
+
 def test_update_without_replay_trains_on_every_sample(base: dict[str, Path]) -> None:
     out = base["root"] / "no-replay"
     assert main(["update", str(base["run"]), "--set", GROWN, "--replay", "off", "--epochs", "1",
@@ -189,6 +205,7 @@ def test_update_without_replay_trains_on_every_sample(base: dict[str, Path]) -> 
     (["stages.two_stage.init=/somewhere/model.pt2"], ["is an exported model (.pt2)",
                                                       "the model file it was exported from"]),
     (["stages.two_stage.replay=0.5"], ["replay: 0.5", "needs init:"]),
+    (["stages.two_stage.distill=1"], ["distill: 1", "needs init:"]),
     (["stages.two_stage.init={model}", "stages.two_stage.replay=0.01"],
      ["0 earlier samples per batch", "replay share or a batch_size"]),
 ])

@@ -41,9 +41,11 @@ from .adapters import DEFAULT_METHOD, Adapted, MethodConfig, apply_method, check
 from .amp import check_precision
 from .checkpoint import CHECKPOINT_FILE
 from .graphed import check_cuda_graph, graph_refusal
-from .trainer import TrainConfig, evaluate, train
+from .trainer import TrainConfig, cross_entropy, evaluate, train
 from .warm_start import (
+    DISTILL_TEMPERATURE,
     ClassPlan,
+    Distillation,
     InitError,
     InitSource,
     Replay,
@@ -120,6 +122,10 @@ class Finetune(Stage):
         None, ge=0, lt=1, description="with init: the share of each batch drawn from earlier samples (those "
         "of the classes init was trained on); an epoch is one pass over the new classes' samples. Unset: "
         "every training sample, as without init")
+    distill: float | None = Field(
+        None, gt=0, description="with init: weight of a distillation term keeping the model's scores on the "
+        "classes init knew close to init's own (Learning without Forgetting, temperature 2; one more "
+        "forward of the trained part per step). Unset: cross-entropy alone")
     seed: int = 0
 
     @field_validator("method", mode="before")
@@ -265,11 +271,15 @@ class Finetune(Stage):
         if self.init is None:
             return None
         replay = f", replay {self.replay:g}" if self.replay is not None else ""
-        return f"warm start from {self.init}{replay}"
+        distill = f", distill {self.distill:g}" if self.distill is not None else ""
+        return f"warm start from {self.init}{replay}{distill}"
 
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         n = self._cut(inputs, inputs.parent("model"))
         self._check_replay()
+        if self.distill is not None and self.init is None:
+            raise StageError(f"distill: {self.distill:g} keeps the scores of the model init names; it needs "
+                             "init: (the model trained before): set init, or remove distill")
         if self.init is not None:
             source = self._init_source(ctx)
             _state, description = read_init(source)
@@ -391,6 +401,13 @@ class Finetune(Stage):
         if replay is not None:
             steps = replay.steps()
         offsets = replay.prior_offsets(num_classes) if replay is not None else None
+        # The teacher is copied before the offsets' hook is added (it is evaluated plain) and before training.
+        distill = None
+        if update is not None and self.distill is not None:
+            distill = Distillation.of(trained, update.plan.old, self.distill, cross_entropy(cfg))
+            update.extra["distill"] = {"weight": self.distill, "temperature": DISTILL_TEMPERATURE}
+            ctx.progress.log(f"[{name}] distilling init's scores on {len(update.plan.old)} known classes "
+                             f"(weight {self.distill:g}, temperature {DISTILL_TEMPERATURE:g})")
         corrected = prior_correction(top, offsets) if offsets is not None else None
         try:
             result = train(trained, params, train_batches, eval_batches, cfg, checkpoint_dir=out_dir,
@@ -398,7 +415,8 @@ class Finetune(Stage):
                            resume_key=call.fingerprint, bars=ctx.progress, label=name,
                            batch_size=self.batch_size, batch_setting=f"stages.{name}.batch_size",
                            log=lambda m: ctx.progress.log(f"[{name}] {m}"),
-                           prepare=stream.decode_coded if coded else None)  # type: ignore[attr-defined]
+                           prepare=stream.decode_coded if coded else None,  # type: ignore[attr-defined]
+                           loss=distill)
         finally:
             if corrected is not None:
                 corrected.remove()  # evaluated and saved as the plain network
@@ -468,8 +486,9 @@ class Finetune(Stage):
     def _notes(self, specs: dict[str, Spec], update: UpdateReport | None) -> dict[str, Any]:
         notes = self.model_notes(specs)
         if update is not None:  # what the model file was warm-started from (only then: same bytes as before)
+            distill = {"distill": self.distill} if self.distill is not None else {}
             notes = {**notes, "warm_start": {"init_model_sha256": update.sha256, **update.plan.summary(),
-                                             "replay": self.replay}}
+                                             "replay": self.replay, **distill}}
         return notes
 
     def _warm_start(self, ctx: RunContext, name: str, specs: Mapping[str, Spec], n: int, net: BlockNet,

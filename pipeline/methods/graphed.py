@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .amp import AmpPolicy
+    from .trainer import LossFn
 else:
     torch = lazy_module("torch")
     nn = lazy_module("torch.nn")
@@ -145,7 +146,7 @@ class StepGraph:
     """
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter],
-                 amp: AmpPolicy, loss_fn: nn.Module, grad_clip: float | None, device: torch.device,
+                 amp: AmpPolicy, loss_fn: LossFn, grad_clip: float | None, device: torch.device,
                  prepare: Callable[[Inputs], torch.Tensor] | None = None, *, strict: bool = False,
                  log: Callable[[str], None] | None = None) -> None:
         self.model, self.opt, self.params, self.amp = model, opt, params, amp
@@ -171,7 +172,7 @@ class StepGraph:
         inputs = self.prepare(x) if self.prepare is not None else x
         with self.amp.autocast(cache=False):  # autocast's weight cache must not outlive a replay
             logits = self.model(inputs)
-            loss = self.loss_fn(logits, y)
+            loss = self.loss_fn(logits, y, inputs)
         self.amp.step(loss, self.opt, self.params, self.grad_clip)
         self.loss_sum.add_(loss.detach().double() * y.shape[0])
         self.correct.add_((logits.detach().argmax(1) == y).sum())

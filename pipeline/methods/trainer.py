@@ -38,6 +38,9 @@ else:
     nn = lazy_module("torch.nn")
 
 Batches = Iterable[tuple["torch.Tensor", "torch.Tensor"]]
+#: A training loss: (logits, labels, the inputs the logits came from) -> a scalar. The inputs are for
+#: terms that compare with another network's view of the same batch (distillation, warm_start.Distillation).
+LossFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 class TrainConfig(RecipeModel):
@@ -170,6 +173,12 @@ def _steps_hint(batches: Any) -> int | None:
         return None
 
 
+def cross_entropy(cfg: TrainConfig) -> LossFn:
+    """The default training loss: cross-entropy with ``cfg.label_smoothing``."""
+    ce = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    return lambda logits, y, _x: ce(logits, y)
+
+
 @dataclass
 class _Epoch:
     loss_sum: float = 0.0
@@ -189,6 +198,7 @@ class _Loop:
     cfg: TrainConfig
     amp: AmpPolicy
     device: torch.device
+    loss: LossFn
     progress: Callable[[dict[str, Any]], None] | None = None
     pace: StepPacer | None = None
     graph: StepGraph | None = None  # the step as a CUDA graph (train.cuda_graph), else the eager step
@@ -197,8 +207,7 @@ class _Loop:
 
 def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int | None,
                  bar: Any = None) -> _Epoch:
-    model, opt, cfg = loop.model, loop.opt, loop.cfg
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    model, opt, cfg, loss_fn = loop.model, loop.opt, loop.cfg, loop.loss
     ep = _Epoch(lr=cfg.lr)
     pace = loop.pace or StepPacer(None)
     correct = torch.zeros((), dtype=torch.int64, device=loop.device)
@@ -214,13 +223,13 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
         if loop.micro is not None:
             def loss_of(xi: torch.Tensor, yi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 out = model(xi)
-                return loss_fn(out, yi), out
+                return loss_fn(out, yi, xi), out
 
             value, logits = loop.micro.gradients(x, y, loop.params, loss_of, loop.amp.autocast)
         else:
             with loop.amp.autocast():
                 logits = model(x)
-                loss = loss_fn(logits, y)
+                loss = loss_fn(logits, y, x)
             value = loss.detach().item()
         if not math.isfinite(value):
             raise ModelError(
@@ -292,7 +301,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
           resume_key: str | None = None, bars: Progress | None = None, label: str = "train",
           batch_size: int | None = None, batch_setting: str | None = None,
           log: Callable[[str], None] | None = None,
-          prepare: Callable[[Any], torch.Tensor] | None = None) -> TrainResult:
+          prepare: Callable[[Any], torch.Tensor] | None = None,
+          loss: LossFn | None = None) -> TrainResult:
     """Train ``parameters`` (those with requires_grad) of ``model`` for ``cfg.epochs`` epochs.
 
     Runs where ``model``'s parameters are (move it to the device first), at ``cfg.precision``
@@ -317,7 +327,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     On a GPU, ``cfg.cuda_graph`` (auto/on) captures the step as a CUDA graph
     (:mod:`pipeline.methods.graphed`); ``prepare``, given, turns each training batch's ``x`` (then
     a dict of stored tensors, e.g. coded feature maps) into the model's input inside the step, so
-    the decoding is captured with it.
+    the decoding is captured with it. ``loss`` replaces the default cross-entropy
+    (:func:`cross_entropy`); it gets the model's inputs too.
     """
     params = [p for p in parameters if p.requires_grad]
     if not params:
@@ -336,7 +347,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
         pace = step_pacer(micro.set_workers, micro.workers, top)
     else:
         pace = step_pacer()
-    loop = _Loop(model, opt, params, cfg, amp, device, progress, pace, micro=micro)
+    loss_fn = loss if loss is not None else cross_entropy(cfg)
+    loop = _Loop(model, opt, params, cfg, amp, device, loss_fn, progress, pace, micro=micro)
     result = TrainResult()
     start = 0
     saved = None
@@ -360,7 +372,6 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     if cfg.cuda_graph == "on" and refusal is not None:
         raise ModelError(f"train.cuda_graph: on, but the step cannot be captured: {refusal}")
     if cfg.cuda_graph != "off" and refusal is None:
-        loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         loop.graph = StepGraph(model, opt, params, amp, loss_fn, cfg.grad_clip, device, prepare,
                                strict=cfg.cuda_graph == "on", log=log)
     elif prepare is not None:

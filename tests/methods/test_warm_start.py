@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from pipeline.errors import ModelError
-from pipeline.methods.trainer import evaluate
+from pipeline.methods.trainer import TrainConfig, cross_entropy, evaluate
 from pipeline.methods.warm_start import (
+    DISTILL_TEMPERATURE,
     ClassPlan,
+    Distillation,
     InitError,
     InitSource,
     Replay,
@@ -132,6 +134,47 @@ def test_the_correction_applies_while_training_only_and_comes_off() -> None:
     handle.remove()
     assert torch.equal(top.train()(x).detach(), plain)
     assert set(top.state_dict()) == {"head.0.weight", "head.0.bias"}
+
+
+def test_distillation_adds_nothing_where_the_known_scores_agree_with_the_teacher() -> None:
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 6), torch.randn(8, 3), torch.randint(0, 6, (8,))
+    ce = cross_entropy(TrainConfig())
+    loss = Distillation.of(model, OLD, 1.0, ce)
+    logits = model(x)
+    assert torch.allclose(loss(logits, y, x), ce(logits, y, x), atol=1e-6)
+    # the new class's score is not the teacher's business: changing it changes cross-entropy only
+    moved = logits.detach().clone()
+    moved[:, 5] += 3.0
+    assert torch.allclose(loss(moved, y, x) - ce(moved, y, x), torch.zeros(()), atol=1e-6)
+    # the same scores shifted by a constant are the same distribution (replay's prior offsets are one)
+    assert torch.allclose(loss(moved + 1.5, y, x) - ce(moved + 1.5, y, x), torch.zeros(()), atol=1e-6)
+
+
+def test_distillation_is_the_tempered_divergence_from_the_frozen_teacher() -> None:
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 6), torch.randn(8, 3), torch.randint(0, 6, (8,))
+    ce = cross_entropy(TrainConfig())
+    loss = Distillation.of(model, OLD, 0.5, ce)
+    teacher = model(x).detach()
+    with torch.no_grad():
+        model.weight.add_(torch.randn_like(model.weight))  # the student moves; the teacher is a copy
+    logits = model(x)
+    t = DISTILL_TEMPERATURE
+    p = torch.softmax(teacher[:, list(OLD)] / t, 1)
+    log_q = torch.log_softmax(logits[:, list(OLD)] / t, 1)
+    earlier = torch.isin(y, torch.tensor(OLD))
+    assert 0 < int(earlier.sum()) < len(y)
+    # on the earlier samples only (the new class's samples are left to cross-entropy), over the batch size
+    expected = (p * (p.log() - log_q)).sum(1)[earlier].sum() / len(y) * t * t * 0.5
+    new_only = ~earlier
+    assert torch.equal(loss(logits[new_only], y[new_only], x[new_only]),
+                       ce(logits[new_only], y[new_only], x[new_only]))
+    extra = loss(logits, y, x) - ce(logits, y, x)
+    assert float(extra.detach()) > 0 and torch.allclose(extra.detach(), expected, atol=1e-5)
+    extra.backward()
+    assert model.weight.grad is not None and loss.teacher.weight.grad is None  # the teacher never trains
+    assert not any(p.requires_grad for p in loss.teacher.parameters())
 
 
 def test_tallies_give_evaluates_accuracy_per_class() -> None:
