@@ -21,7 +21,7 @@ the 5-class model's accuracy on the known classes' test images. The bar: the upd
 the retraining on all 6 classes, in at most 1/3 of its training time, the known classes losing at most
 2 points.
 
-Usage: python -m benchmarks.bench_incremental [--per-class 600] [--distill 1] [--epochs 15]
+Usage: python -m benchmarks.bench_incremental [--per-class 600] [--distill 0.5] [--epochs 15]
        [--update-epochs 10] [--every-sample-epochs 3] [--seeds 0] [--store DIR] [--output DIR] [--quick]
 """
 
@@ -151,8 +151,8 @@ def one_seed(args: argparse.Namespace, seed: int, store: Path, out: Path) -> dic
     for label, (share, epochs) in updates.items():
         t = time.perf_counter()
         lr = [] if args.update_lr is None else [f"stages.{TOP}.train.lr={args.update_lr}"]
-        distill = [f"stages.{TOP}.distill={args.distill}"] if label == DISTILLED else []
-        result = api.update(base_dir, [*overrides, GROWN, *lr, *distill], replay=share, epochs=epochs,
+        result = api.update(base_dir, [*overrides, GROWN, *lr], replay=share,
+                            distill=args.distill if label == DISTILLED else "off", epochs=epochs,
                             store=store, output=out / f"seed{seed}-{label}", quiet=args.quiet, force=True)
         record(label, result, time.perf_counter() - t)
 

@@ -203,6 +203,9 @@ class NotARunError(PipelineError, ValueError):
 
 #: ``update``'s default replay share where the recipe sets none (``replay=None`` keeps the recipe's).
 UPDATE_REPLAY = 0.5
+#: ``update``'s default distillation weight where the recipe sets none, with replay (benchmarks/
+#: bench_incremental: the weight that kept the known classes within the bar without costing the new one).
+UPDATE_DISTILL = 0.5
 
 
 def update(
@@ -210,6 +213,7 @@ def update(
     overrides: Overrides = None,
     *,
     replay: float | str | None = None,
+    distill: float | str | None = None,
     epochs: int | None = None,
     store: str | Path | None = None,
     max_bytes: int | None = None,
@@ -224,7 +228,10 @@ def update(
     top; each finetune target's ``init`` is set to ``run_dir/stages/<target>/model.pt``. New classes in
     the data grow the head; ``replay`` is the share of each batch drawn from samples of the classes the
     model knew (``pipeline.methods.warm_start``): a number in [0, 1), ``"off"`` for every sample as
-    it comes, ``None`` for the recipe's setting (0.5 where it has none). ``epochs`` sets the targets'
+    it comes, ``None`` for the recipe's setting (0.5 where it has none). ``distill`` is the weight (> 0)
+    of the distillation term that keeps the model's scores on the known classes close to the init
+    model's, ``"off"`` for none, ``None`` for the recipe's setting (0.5 where it has none and replay is
+    on). ``epochs`` sets the targets'
     ``train.epochs`` (an update needs fewer than a training from the backbone). The store is the one the
     run used unless ``store`` is given; the rest is as :func:`run` (a new run directory: ``run_dir``
     itself is refused, it holds the models the update starts from). Everything stored stays valid: the
@@ -261,6 +268,9 @@ def update(
                            f"{', '.join(Graph(recipe).targets)}): nothing to warm-start")
     if isinstance(replay, str) and replay != "off":
         raise StageError(f"update: replay {replay!r}: expected a share in [0, 1) or 'off'")
+    if distill is not None and distill != "off" and (
+            isinstance(distill, bool) or not isinstance(distill, (int, float)) or not distill > 0):
+        raise StageError(f"update: distill {distill!r}: expected a weight > 0 or 'off'")
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise StageError(f"update: epochs {epochs!r}: expected a whole number >= 1")
     settings: dict[str, Any] = {}
@@ -276,6 +286,10 @@ def update(
         if replay is None and share is None:
             share = UPDATE_REPLAY
         settings[f"stages.{name}.replay"] = share
+        weight = stage.distill if distill is None else None if distill == "off" else float(distill)
+        if distill is None and weight is None and share is not None and share > 0:
+            weight = UPDATE_DISTILL
+        settings[f"stages.{name}.distill"] = weight
         if epochs is not None:
             settings[f"stages.{name}.train.epochs"] = epochs
     if store is None:

@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     upd.add_argument("--replay", type=_replay_share, metavar="SHARE",
                      help="share of each batch drawn from samples of the classes the model knew, 0 <= SHARE "
                      "< 1, or off (every sample as it comes); default: the recipe's, else 0.5")
+    upd.add_argument("--distill", type=_weight, metavar="WEIGHT",
+                     help="weight of a distillation term keeping the model's scores on the known classes "
+                     "close to the earlier model's (Learning without Forgetting), or off; default: the "
+                     "recipe's, else 0.5 with replay")
     upd.add_argument("--epochs", type=int, metavar="N", help="training epochs of each updated target "
                      "(default: the recipe's)")
     upd.add_argument("--store", help="store directory (default: the one the run used)")
@@ -232,12 +236,24 @@ def _replay_share(text: str) -> float | str:
     return share
 
 
+def _weight(text: str) -> float | str:
+    if text == "off":
+        return text
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = -1.0
+    if not weight > 0 or weight != weight or weight == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a weight > 0, or off; got {text!r}")
+    return weight
+
+
 def cmd_update(args: argparse.Namespace) -> int:
     from .api import update
 
     result = update(
-        args.run_dir, args.overrides, replay=args.replay, epochs=args.epochs, store=args.store,
-        max_bytes=args.max_bytes, output=args.output, quiet=args.quiet, force=args.force,
+        args.run_dir, args.overrides, replay=args.replay, distill=args.distill, epochs=args.epochs,
+        store=args.store, max_bytes=args.max_bytes, output=args.output, quiet=args.quiet, force=args.force,
     )
     for name, metrics in result.outputs.items():
         if not isinstance(metrics, dict) or "init" not in metrics:

@@ -1,4 +1,5 @@
-"""Per-chunk checksums inside an HDF5 entry, and decoding one chunk's stored bytes.
+"""Per-chunk checksums inside an HDF5 entry, and decoding one chunk's stored bytes (through HDF5, or
+without it: :class:`PlainDecoder`).
 
 Why record a checksum per chunk when HDF5's ``fletcher32`` filter already checks each one:
 
@@ -162,3 +163,62 @@ class ChunkDecoder:
 
     def close(self) -> None:
         self._h5.close()
+
+
+# The filters the writer applies (h5py's shuffle, deflate and fletcher32), in HDF5's filter ids.
+SHUFFLE, DEFLATE, FLETCHER32 = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_FLETCHER32
+
+
+@dataclass(frozen=True)
+class PlainDecoder:
+    """Decodes one dataset's stored chunk bytes with zlib and numpy, without calling HDF5.
+
+    Why: every h5py call holds h5py's one global lock, so a chunk decompressed through HDF5 (a
+    ``dset[...]`` read or :class:`ChunkDecoder`) stops every other thread's read meanwhile; on slow
+    storage the device then idles while the CPU inflates. Undone here, outside the lock (zlib
+    releases the GIL), a prefetch thread keeps the next read going. Only for the filters the writer
+    uses, undone in reverse order: fletcher32 (its 4 trailing bytes are dropped, not checked: the
+    caller checks the chunk's recorded crc32 over all the stored bytes, which is stronger), deflate
+    and shuffle. A filter whose bit is set in the chunk's filter mask was skipped on write and is
+    skipped here. :meth:`of` gives None for a dataset with any other filter.
+    """
+
+    filters: tuple[int, ...]  # as applied on write
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, dset: h5py.Dataset) -> PlainDecoder | None:
+        if dset.chunks is None:
+            return None
+        plist = dset.id.get_create_plist()
+        filters = tuple(int(plist.get_filter(i)[0]) for i in range(plist.get_nfilters()))
+        if any(f not in (SHUFFLE, DEFLATE, FLETCHER32) for f in filters):
+            return None
+        return cls(filters, tuple(int(c) for c in dset.chunks), np.dtype(dset.dtype))
+
+    def __call__(self, raw: bytes, filter_mask: int, count: int) -> np.ndarray:
+        """The first ``count`` samples of the chunk ``raw`` holds; ValueError or zlib.error if damaged."""
+        data: bytes | memoryview = raw
+        for position in reversed(range(len(self.filters))):
+            if filter_mask & (1 << position):
+                continue
+            kind = self.filters[position]
+            if kind == FLETCHER32:
+                if len(data) < 4:
+                    raise ValueError(f"{len(data)} stored bytes cannot hold a fletcher32 checksum")
+                data = memoryview(data)[:-4]
+            elif kind == DEFLATE:
+                data = zlib.decompress(data)
+            elif self.dtype.itemsize > 1:  # SHUFFLE: byte k of every element was stored together
+                size = self.dtype.itemsize
+                flat = np.frombuffer(data, dtype=np.uint8)
+                if flat.size % size:
+                    raise ValueError(f"{flat.size} shuffled bytes are not whole {size}-byte values")
+                data = flat.reshape(size, -1).T.tobytes()
+        values = np.frombuffer(data, dtype=self.dtype)
+        expected = int(np.prod(self.chunk_shape))
+        if values.size != expected:
+            raise ValueError(f"the chunk decodes to {values.size} values, its shape {self.chunk_shape} "
+                             f"holds {expected}")
+        return values.reshape(self.chunk_shape)[:count].copy()  # writable, and not a view of the bytes

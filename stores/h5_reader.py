@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import h5py
 import numpy as np
 
 from stores.errors import CorruptChunkError, EntryReadError, StoreNotFoundError
-from stores.h5_chunks import CHECKSUM, ChunkDecoder, ChunkRecord, crc32, is_record, read_record
+from stores.h5_chunks import CHECKSUM, ChunkDecoder, ChunkRecord, PlainDecoder, crc32, is_record, read_record
 from stores.h5_format import (
     ATTR_COMPLETE,
     ATTR_FORMAT,
@@ -32,6 +34,16 @@ from stores.h5_format import (
 from stores.integrity import ChunkChecksum, ChunkProblem
 from stores.layout import ArraySpec, ChunkedReader, split_name
 from stores.throttle import ThrottleDevice, ThrottledFile, ThrottleProfile, as_device
+
+
+@dataclass(frozen=True)
+class _StoredChunk:
+    """One chunk as :meth:`H5Reader.fetch_chunk` read it: array name -> (filter mask, stored bytes)."""
+
+    index: int
+    count: int
+    arrays: dict[str, tuple[int, bytes]]
+
 
 # Handles inherited through fork are parked, never closed in the child: closing an HDF5 handle
 # that the parent still uses would flush or free state the parent relies on.
@@ -48,8 +60,10 @@ class H5Reader(ChunkedReader):
     """
 
     KIND = "HDF5"
-    # h5py reads and decodes a chunk in one call: fetch_chunk does all the work and
-    # decode_chunk is the identity, so a prefetcher runs them as one stage.
+    # True where every array's filters can be undone without HDF5 (PlainDecoder) and the file records
+    # each chunk's crc32: fetch_chunk then reads the stored bytes only (under h5py's lock) and
+    # decode_chunk checks and inflates them outside it, so a prefetcher overlaps the two. Else
+    # fetch_chunk reads and decodes through h5py and decode_chunk is the identity.
     separate_decode = False
 
     def __init__(
@@ -79,6 +93,8 @@ class H5Reader(ChunkedReader):
         for name, (shape, chunks, dtype) in sorted(shapes.items()):
             self._add_array(name, shape, chunks)
             self._specs[name] = ArraySpec(tuple(shape[1:]), dtype)
+        self._plain = {name: PlainDecoder.of(self._dataset(name)) for name in self._specs}
+        self.separate_decode = self.record is not None and all(d is not None for d in self._plain.values())
 
     # ----------------------------------------------------------------- process/handle management
 
@@ -190,8 +206,8 @@ class H5Reader(ChunkedReader):
 
     # ---------------------------------------------------------------------------------- reads
 
-    def read_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
-        """All arrays of ``group`` for the samples of chunk ``index`` (leaf name -> array)."""
+    def _chunk_rows(self, group: str, index: int) -> tuple[str, int, int]:
+        """(group, first row, end row) of chunk ``index`` of ``group``; EntryReadError when out of range."""
         group = self._group(group)
         total = self.num_chunks(group)
         if not isinstance(index, int | np.integer) or not 0 <= index < total:
@@ -199,20 +215,64 @@ class H5Reader(ChunkedReader):
                 f"chunk index {index!r} out of range for group {group!r} ({total} chunks) in {self.file}"
             )
         c = self._chunk[group]
-        lo, hi = int(index) * c, min((int(index) + 1) * c, self._count[group])
+        return group, int(index) * c, min((int(index) + 1) * c, self._count[group])
+
+    def read_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
+        """All arrays of ``group`` for the samples of chunk ``index`` (leaf name -> array)."""
+        if self.separate_decode:
+            return self.decode_chunk(self.fetch_chunk(group, index))
+        group, lo, hi = self._chunk_rows(group, index)
         return {
             split_name(name)[1]: self._read_in_chunk(name, int(index), lo, hi)
             for name in sorted(self._specs)
             if split_name(name)[0] == group
         }
 
-    def fetch_chunk(self, group: str, index: int) -> dict[str, np.ndarray]:
-        """Same as :meth:`read_chunk` (HDF5 reads and decodes in one call); see ``separate_decode``."""
-        return self.read_chunk(group, index)
+    def fetch_chunk(self, group: str, index: int) -> Any:
+        """The I/O half of :meth:`read_chunk`: each array's stored bytes of chunk ``index`` (with
+        ``separate_decode``; else the whole read, decoded). A missing chunk is a CorruptChunkError here."""
+        if not self.separate_decode:
+            return self.read_chunk(group, index)
+        group, lo, hi = self._chunk_rows(group, index)
+        stored: dict[str, tuple[int, bytes]] = {}
+        for name in sorted(self._specs):
+            if split_name(name)[0] != group:
+                continue
+            try:
+                found = self.stored_chunk(name, int(index))
+            except DECODE_ERRORS as exc:
+                raise CorruptChunkError(str(self.file), name, int(index), f"its stored bytes cannot be read "
+                                        f"({type(exc).__name__}: {exc})") from exc
+            if found is None:
+                raise CorruptChunkError(str(self.file), name, int(index),
+                                        "the chunk is missing (never written; HDF5 would return zeros)")
+            stored[name] = (found[0], found[1])
+        return _StoredChunk(int(index), hi - lo, stored)
 
-    def decode_chunk(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The identity: :meth:`fetch_chunk` already decoded the chunk."""
-        return raw
+    def decode_chunk(self, raw: Any) -> dict[str, np.ndarray]:
+        """The CPU half: each array's stored bytes checked against the recorded crc32 and decoded
+        (:class:`~stores.h5_chunks.PlainDecoder`, no HDF5 call). A chunk :meth:`fetch_chunk` already
+        decoded is returned as it is."""
+        if not isinstance(raw, _StoredChunk):
+            return raw  # type: ignore[no-any-return]
+        assert self.record is not None
+        out: dict[str, np.ndarray] = {}
+        for name, (mask, data) in raw.arrays.items():
+            recorded = self.record.crc32.get(name)
+            if recorded is None or raw.index >= len(recorded):
+                raise CorruptChunkError(str(self.file), name, raw.index, "no crc32 is recorded for it")
+            if crc32(data) != int(recorded[raw.index]):
+                raise CorruptChunkError(str(self.file), name, raw.index,
+                                        f"its stored bytes have crc32 {crc32(data):08x}, the crc32 recorded "
+                                        f"when it was written is {int(recorded[raw.index]):08x}")
+            decode = self._plain[name]
+            assert decode is not None
+            try:
+                out[split_name(name)[1]] = decode(data, mask, raw.count)
+            except (ValueError, zlib.error) as exc:
+                raise CorruptChunkError(str(self.file), name, raw.index,
+                                        f"undecodable data ({type(exc).__name__}: {exc})") from exc
+        return out
 
     def _read_in_chunk(self, name: str, index: int, lo: int, hi: int) -> np.ndarray:
         dset = self._dataset(name)

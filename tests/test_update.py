@@ -137,6 +137,7 @@ def test_update_run_dir_grows_the_head_and_replays(base: dict[str, Path],
     assert metrics["replay"]["fraction"] == 0.5 and metrics["replay"]["new_samples"] == 20
     assert metrics["replay"]["earlier_per_batch"] == metrics["replay"]["new_per_batch"] == 16
     assert metrics["epochs"] == 2
+    assert metrics["distill"] == {"weight": 0.5, "temperature": 2.0}  # update's default beside replay
     # trained with the class balance of the data, not of the batches: 80 earlier and 20 new samples
     assert metrics["replay_prior_offsets"] == pytest.approx({"earlier": math.log(0.5 * 100 / 80),
                                                               "new": math.log(0.5 * 100 / 20)})
@@ -163,9 +164,9 @@ def test_update_run_dir_grows_the_head_and_replays(base: dict[str, Path],
 
 def test_update_with_distillation_records_it_and_trains_another_model(base: dict[str, Path]) -> None:
     plain, distilled = base["root"] / "plain-1", base["root"] / "distilled"
-    assert main(["update", str(base["run"]), "--set", GROWN, "--epochs", "1", "--output", str(plain),
-                 "--quiet"]) == 0
-    assert main(["update", str(base["run"]), "--set", GROWN, "--set", "stages.two_stage.distill=2",
+    assert main(["update", str(base["run"]), "--set", GROWN, "--distill", "off", "--epochs", "1",
+                 "--output", str(plain), "--quiet"]) == 0
+    assert main(["update", str(base["run"]), "--set", GROWN, "--distill", "2",
                  "--epochs", "1", "--output", str(distilled), "--quiet"]) == 0
     metrics = summary(distilled)["metrics"]
     assert metrics["distill"] == {"weight": 2.0, "temperature": 2.0}
@@ -175,6 +176,9 @@ def test_update_with_distillation_records_it_and_trains_another_model(base: dict
     assert stage_of(distilled, "two_stage")["fingerprint"] != stage_of(plain, "two_stage")["fingerprint"]
     assert (distilled / "stages" / "two_stage" / "model.pt").read_bytes() != \
         (plain / "stages" / "two_stage" / "model.pt").read_bytes()
+    with pytest.raises(SystemExit) as bad:  # argparse's usage error: exit 2 naming what was expected
+        main(["update", str(base["run"]), "--distill", "0"])
+    assert bad.value.code == 2
 
 
 def test_update_without_replay_trains_on_every_sample(base: dict[str, Path]) -> None:
@@ -183,6 +187,7 @@ def test_update_without_replay_trains_on_every_sample(base: dict[str, Path]) -> 
                  "--output", str(out), "--quiet"]) == 0
     metrics = summary(out)["metrics"]
     assert "replay" not in metrics and metrics["init"]["classes_added"] == ["9"]
+    assert "distill" not in metrics  # no replay: no default distillation either
     new_only = base["root"] / "new-only"
     assert main(["update", str(base["run"]), "--set", GROWN, "--replay", "0", "--epochs", "1",
                  "--output", str(new_only), "--quiet"]) == 0

@@ -25,8 +25,8 @@ import pytest
 
 from stores.catalog import Catalog
 from stores.entry import H5_FILE, REPAIR_SUFFIX, EntryLayout, open_reader, open_rewriter, open_writer
-from stores.errors import EntryReadError
-from stores.h5_chunks import RECORD
+from stores.errors import CorruptChunkError, EntryReadError
+from stores.h5_chunks import RECORD, PlainDecoder
 from stores.h5_format import ATTR_FORMAT, FORMAT_V1
 from stores.layout import ArraySpec
 
@@ -95,6 +95,52 @@ def test_swapped_chunks_pass_fletcher32_but_not_the_recorded_crc32(tmp_path: Pat
     assert all("crc32 recorded when it was written" in p.reason for p in problems)
     result = open_rewriter(file).rewrite_chunks({"x": {0: data[:4], 1: data[4:]}})
     assert result.identical is True and sha(file) == built
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "uint8", "int64"])
+@pytest.mark.parametrize("filters", [{}, {"compression": "gzip", "compression_opts": 1},
+                                     {"compression": "gzip", "shuffle": True, "fletcher32": True},
+                                     {"shuffle": True}, {"fletcher32": True}])
+def test_the_plain_decoder_reads_what_hdf5_reads(tmp_path: Path, dtype: str, filters: dict) -> None:
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((10, 3, 5)) * 50).astype(dtype)
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        dset = f.create_dataset("a", data=data, chunks=(4, 3, 5), **filters)
+        decode = PlainDecoder.of(dset)
+        assert decode is not None
+        for index, lo in enumerate(range(0, 10, 4)):
+            mask, raw = dset.id.read_direct_chunk((lo, 0, 0))
+            got = decode(raw, mask, min(4, 10 - lo))
+            assert got.dtype == data.dtype and got.flags.writeable
+            np.testing.assert_array_equal(got, data[lo:lo + 4], err_msg=f"chunk {index}")
+        with pytest.raises((ValueError, zlib.error)):
+            decode(raw[: len(raw) // 2], mask, 2)  # a truncated chunk is an error, never short data
+        lzf = f.create_dataset("b", data=data, chunks=(4, 3, 5), compression="lzf")
+        assert PlainDecoder.of(lzf) is None  # a filter it does not undo: read through HDF5
+
+
+def test_hdf5_chunks_are_read_under_the_lock_and_decoded_outside_it(tmp_path: Path) -> None:
+    build_kill_entry(tmp_path)
+    data = kill_data()
+    reader = open_reader(tmp_path)
+    try:
+        assert reader.separate_decode
+        raw = reader.fetch_chunk("train", 7)
+        assert all(isinstance(b, bytes) for _mask, b in raw.arrays.values())  # only read, not decoded
+        chunk = reader.decode_chunk(raw)
+        np.testing.assert_array_equal(chunk["x"], data["train/x"][56:64])
+        np.testing.assert_array_equal(chunk["y"], data["train/y"][56:64])
+        last = reader.read_chunk("train", reader.num_chunks("train") - 1)
+        np.testing.assert_array_equal(last["x"], data["train/x"][-(KILL_COUNT % KILL_CHUNK or KILL_CHUNK):])
+    finally:
+        reader.close()
+    flip(tmp_path / H5_FILE, "train/x", 7)
+    reader = open_reader(tmp_path)
+    try:
+        with pytest.raises(CorruptChunkError, match="crc32 recorded when it was written"):
+            reader.decode_chunk(reader.fetch_chunk("train", 7))
+    finally:
+        reader.close()
 
 
 def test_the_record_is_plain_hdf5_beside_the_arrays_and_not_an_array(tmp_path: Path) -> None:
