@@ -240,7 +240,16 @@ def main() -> None:
                      for key in seeds[0]["vs_full"][label]} for label in labels}
     full_known = [s["full_old_classes_points_vs_before"] for s in seeds]
     headline = DISTILLED if DISTILLED in means else "update_replay_0.5"
+    head = means[headline]
     payload = {
+        "question": "a 6th class arrives: how close does a warm-started update with replay (and "
+                    "distillation) get to a full retraining from the backbone, in what share of its trainer "
+                    "time, and what do the known classes lose?",
+        "headline": f"update ({headline.removeprefix('update_').replace('_', ' ')}) "
+                    f"{head['accuracy_points']:+.2f} points vs a full retraining at "
+                    f"{head['stage_time_ratio']:.2f}x its trainer time; known classes "
+                    f"{head['old_classes_points_vs_before']:+.2f} points vs before (the retraining's own: "
+                    f"{'-' if None in full_known else f'{statistics.mean(full_known):+.2f}'})",
         "settings": {"per_class": args.per_class, "source_per_class": args.source_per_class,
                      "pretrain_epochs": args.pretrain_epochs, "epochs": args.epochs,
                      "update_epochs": args.update_epochs, "every_sample_epochs": args.every_sample_epochs,
@@ -252,7 +261,7 @@ def main() -> None:
                      "test": "10% of the target classes' images" if args.quick else "official test set, "
                      "1000 images per class"},
         "seeds": seeds,
-        "headline": headline,
+        "headline_update": headline,
         "mean": means[headline],
         "bar": bar_of(means[headline]),
         "means": means,

@@ -282,7 +282,7 @@ def update(
         stage = recipe.stages[name]
         assert isinstance(stage, Finetune)
         settings[f"stages.{name}.init"] = str(model.resolve())
-        share = stage.replay if replay is None else None if replay == "off" else replay
+        share: float | None = stage.replay if replay is None else None if replay == "off" else float(replay)
         if replay is None and share is None:
             share = UPDATE_REPLAY
         settings[f"stages.{name}.replay"] = share

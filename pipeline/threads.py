@@ -202,6 +202,7 @@ class IdleProbe:
     clock: Callable[[], float] = time.monotonic
     cpu_clock: Callable[[], float] = time.process_time  # every thread of this process
     ticks_per_second: float = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    others: float | None = None  # what the last look found: cores' worth of other processes' work
     _start: tuple[float, float, tuple[int, int]] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -226,10 +227,10 @@ class IdleProbe:
 
     def idle_cores(self, cores: int, sleep: Callable[[float], None] = time.sleep) -> int:
         """``cores`` less the cores other processes keep busy (rounded to the nearest; at least 1)."""
-        others = self.others_busy(sleep)
-        if others is None:
+        self.others = self.others_busy(sleep)
+        if self.others is None:
             return cores
-        return max(1, min(cores, cores - math.floor(others + 0.5)))
+        return max(1, min(cores, cores - math.floor(self.others + 0.5)))
 
 
 def _affinity_cpus() -> set[int] | None:
@@ -484,8 +485,9 @@ class ThreadPolicy:
                 if start != self.cores:
                     torch.set_num_threads(start)
                     if self.log is not None:
+                        used = self.probe.others if self.probe is not None else None
                         self.log(f"threads: auto starts at {start} of {self.cores} cores (other processes "
-                                 f"keep {self.cores - start} busy); training probes up when they go quiet")
+                                 f"used {used or 0:.1f} of them); training probes up when they go quiet")
             return self._start
 
     def current(self) -> int:

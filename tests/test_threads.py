@@ -338,7 +338,7 @@ def test_auto_starts_from_the_idle_cores_once_and_loops_carry_on_from_the_last(
     machine.advance(1.0)
     assert policy.initial() == 4  # not looked yet
     assert policy.settle() == 2 and torch_threads == [2]
-    assert "auto starts at 2 of 4 cores" in said[0]
+    assert "auto starts at 2 of 4 cores (other processes used 2.0 of them)" in said[0]
     machine.busy = 0.0
     machine.advance(1.0)
     assert policy.settle() == 2 and policy.initial() == 2 and torch_threads == [2]  # looked once
