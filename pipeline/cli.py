@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -224,28 +225,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _replay_share(text: str) -> float | str:
-    if text == "off":
-        return text
-    try:
-        share = float(text)
-    except ValueError:
-        share = -1.0
-    if not 0 <= share < 1:
-        raise argparse.ArgumentTypeError(f"expected a share 0 <= SHARE < 1, or off; got {text!r}")
-    return share
+def _number_or_off(fits: Callable[[float], bool], expected: str) -> Callable[[str], float | str]:
+    """An argparse type: ``off``, or a finite number that ``fits``."""
+    def parse(text: str) -> float | str:
+        if text == "off":
+            return text
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and fits(value)):
+            raise argparse.ArgumentTypeError(f"expected {expected}, or off; got {text!r}")
+        return value
+    return parse
 
 
-def _weight(text: str) -> float | str:
-    if text == "off":
-        return text
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = -1.0
-    if not weight > 0 or weight != weight or weight == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a weight > 0, or off; got {text!r}")
-    return weight
+_replay_share = _number_or_off(lambda v: 0 <= v < 1, "a share 0 <= SHARE < 1")
+_weight = _number_or_off(lambda v: v > 0, "a weight > 0")
 
 
 def cmd_update(args: argparse.Namespace) -> int:

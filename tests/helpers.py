@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,26 @@ def start_pipeline(
         start_new_session=start_new_session,
         preexec_fn=_default_sigint,
     )
+
+
+def sigkill_at_checkpoint(proc: subprocess.Popen[str], store: Path, pattern: str = "*/last.pt",
+                          timeout: float = 600) -> None:
+    """SIGKILL ``proc`` (a run or update writing into ``store``, stderr piped) as soon as a file matching
+    ``pattern`` appears in the store's staging: a crash in mid-training, after its first checkpoint."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not list((store / "staging").glob(pattern)):
+            if proc.poll() is not None:
+                said = proc.stderr.read() if proc.stderr is not None else ""
+                raise AssertionError(f"it ended before a checkpoint appeared: {said}")
+            assert time.monotonic() < deadline, f"no checkpoint after {timeout:g} s"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
 
 
 def _default_sigint() -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from pipeline.methods.finetune import Finetune
 from pipeline.methods.warm_start import ClassPlan, InitSource, warm_start
 from pipeline.models import zoo
 from pipeline.models.arch import ArchConfig, seeded_net
+from tests.helpers import sigkill_at_checkpoint
 from tests.sweep.recipes import ROOT, tiny_recipe
 
 OLD_CLASSES = [5, 6, 7, 8]
@@ -280,18 +279,7 @@ def test_a_killed_update_loses_nothing_stored_and_resumes_to_the_same_model(base
     before = sorted(p.name for p in (base["store"] / "entries").iterdir())
     proc = subprocess.Popen([*argv, "--output", str(tmp_path / "killed")], cwd=ROOT, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 600
-    try:
-        while not list((base["store"] / "staging").glob("*/last.pt")):
-            assert proc.poll() is None, f"update ended before a checkpoint appeared: {proc.stderr.read()}"
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
-        if proc.stderr is not None:
-            proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_at_checkpoint(proc, base["store"])
     assert sorted(p.name for p in (base["store"] / "entries").iterdir()) == before
     assert main(["cache", "verify", "--store", str(base["store"])]) == 0
     assert read_model_file(base["model"])[1]["class_names"] == ["5", "6", "7", "8"]

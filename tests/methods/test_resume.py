@@ -5,16 +5,14 @@ finished trainer's stored result; a changed recipe never continues a stale check
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.models.weights import load_weights, state_dict_hash
-from tests.helpers import run_pipeline, start_pipeline
+from tests.helpers import run_pipeline, sigkill_at_checkpoint, start_pipeline
 
 RECIPE = """
 name: resume
@@ -56,19 +54,7 @@ def write_recipe(tmp: Path, name: str, *, pretrain_epochs: int = 2, finetune_epo
 
 def kill_after_first_checkpoint(recipe: Path, store: Path, out: Path, pattern: str) -> None:
     """Start the run; SIGKILL it once a checkpoint matching ``pattern`` appears in the store's staging."""
-    proc = start_pipeline(recipe, store, out, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    try:
-        while not list((store / "staging").glob(pattern)):
-            assert proc.poll() is None, f"run ended before a checkpoint appeared: {proc.stderr.read()}"
-            assert time.monotonic() < deadline, "no checkpoint after 600 s"
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
-        if proc.stderr is not None:
-            proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_at_checkpoint(start_pipeline(recipe, store, out, stdout=subprocess.DEVNULL), store, pattern)
 
 
 def summary(out: Path) -> dict:
