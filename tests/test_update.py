@@ -175,9 +175,6 @@ def test_update_with_distillation_records_it_and_trains_another_model(base: dict
     assert stage_of(distilled, "two_stage")["fingerprint"] != stage_of(plain, "two_stage")["fingerprint"]
     assert (distilled / "stages" / "two_stage" / "model.pt").read_bytes() != \
         (plain / "stages" / "two_stage" / "model.pt").read_bytes()
-    with pytest.raises(SystemExit) as bad:  # argparse's usage error: exit 2 naming what was expected
-        main(["update", str(base["run"]), "--distill", "0"])
-    assert bad.value.code == 2
 
 
 def test_update_without_replay_trains_on_every_sample(base: dict[str, Path]) -> None:
@@ -239,6 +236,16 @@ def test_update_refuses_what_is_not_a_run(base: dict[str, Path], tmp_path: Path,
         main(["update", str(base["run"]), "--replay", "1.5"])
     assert exited.value.code == 2
     assert "expected a share 0 <= SHARE < 1, or off" in capsys.readouterr().err
+    for bad in ("0", "-1", "nan", "inf", "much"):
+        with pytest.raises(SystemExit) as exited:
+            main(["update", str(base["run"]), "--distill", bad])
+        assert exited.value.code == 2
+        assert f"expected a weight > 0, or off; got {bad!r}" in capsys.readouterr().err
+    from pipeline.api import update
+    from pipeline.errors import StageError
+
+    with pytest.raises(StageError, match="update: distill -1: expected a weight > 0 or 'off'"):
+        update(base["run"], distill=-1)
 
 
 @pytest.mark.parametrize("method,mode", [({"type": "tinytl", "mode": "lite_bias"}, "two_stage"),
