@@ -27,16 +27,6 @@ needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C com
 ISAS = (0, 1, 2)  # the baseline build, AVX2, AVX-512 (capped at what the CPU has; one build elsewhere)
 
 
-@pytest.fixture()
-def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """Forget the process's loaded kernel and build into ``tmp_path``; restored afterwards."""
-    monkeypatch.setattr(native, "_kernel", None)
-    monkeypatch.setattr(native, "_quantize", None)
-    monkeypatch.setattr(native, "_looked_up", False)
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    return tmp_path
-
-
 def torch_reference(q: QuantizedBatch, crop: CropFlip | None) -> torch.Tensor:
     if crop is None:
         return dequantize(q)

@@ -27,16 +27,6 @@ F16_MAX = 65504.0
 ISAS = (0, 1, 2)  # the baseline build, AVX2, AVX-512 (capped at what the CPU has; one build elsewhere)
 
 
-@pytest.fixture()
-def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """Forget the process's loaded kernels and build into ``tmp_path``; restored afterwards."""
-    monkeypatch.setattr(native, "_kernel", None)
-    monkeypatch.setattr(native, "_quantize", None)
-    monkeypatch.setattr(native, "_looked_up", False)
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    return tmp_path
-
-
 def stored(q: QuantizedBatch) -> tuple[bytes, bytes, bytes]:
     return q.codes.numpy().tobytes(), q.lo.view(torch.int16).numpy().tobytes(), \
         q.scale.view(torch.int16).numpy().tobytes()
