@@ -215,10 +215,14 @@ class PlainDecoder:
                 flat = np.frombuffer(data, dtype=np.uint8)
                 if flat.size % size:
                     raise ValueError(f"{flat.size} shuffled bytes are not whole {size}-byte values")
-                data = flat.reshape(size, -1).T.tobytes()
+                unshuffled = np.empty(flat.size, dtype=np.uint8)  # written once, in element order
+                unshuffled.reshape(-1, size)[:] = flat.reshape(size, -1).T
+                data = unshuffled.data
         values = np.frombuffer(data, dtype=self.dtype)
         expected = int(np.prod(self.chunk_shape))
         if values.size != expected:
             raise ValueError(f"the chunk decodes to {values.size} values, its shape {self.chunk_shape} "
                              f"holds {expected}")
-        return values.reshape(self.chunk_shape)[:count].copy()  # writable, and not a view of the bytes
+        chunk = values.reshape(self.chunk_shape)[:count]
+        # writable, and not a view of the stored bytes (those are freed once decoded)
+        return chunk if values.flags.writeable else chunk.copy()
