@@ -59,11 +59,16 @@ def affinity_cores(sysfs: Path = CPU_SYSFS) -> int | None:
     counted once (two threads on one core's siblings share its arithmetic units, so compute-bound
     torch gains nothing from the second, which is also why torch's own default counts physical
     cores). None where the OS has no affinity call (macOS)."""
+    cpus = affinity_cpus()
+    return None if cpus is None else physical_cores(cpus, sysfs)
+
+
+def affinity_cpus() -> set[int] | None:
+    """The CPUs of this process's affinity mask (None where the OS has no affinity call)."""
     try:
-        cpus = os.sched_getaffinity(0)
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    return physical_cores(cpus, sysfs)
 
 
 def physical_cores(cpus: set[int], sysfs: Path = CPU_SYSFS) -> int:
@@ -231,13 +236,6 @@ class IdleProbe:
         if self.others is None:
             return cores
         return max(1, min(cores, cores - math.floor(self.others + 0.5)))
-
-
-def _affinity_cpus() -> set[int] | None:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 # -------------------------------------------------------------------------------- controller
@@ -524,7 +522,7 @@ def install(setting: ThreadSetting, log: Callable[[str], None] | None = None, *,
     global _installed
     probe = None
     if setting == "auto" and measure_idle:
-        probe = IdleProbe(_affinity_cpus())
+        probe = IdleProbe(affinity_cpus())
         probe.start()
     policy = ThreadPolicy(setting, available_cores() if setting == "auto" else int(setting), log,
                           deterministic, probe=probe)

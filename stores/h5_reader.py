@@ -45,6 +45,18 @@ class _StoredChunk:
     arrays: dict[str, tuple[int, bytes]]
 
 
+def _crc_mismatch(raw: bytes, recorded: np.ndarray, index: int) -> str | None:
+    """Why chunk ``index``'s stored bytes ``raw`` do not match the crc32s ``recorded`` for its array (None:
+    they do)."""
+    if index >= len(recorded):
+        return f"no crc32 is recorded for it (the record holds {len(recorded)} chunks)"
+    found = crc32(raw)
+    if found != int(recorded[index]):
+        return (f"its stored bytes have crc32 {found:08x}, the crc32 recorded when it was written "
+                f"is {int(recorded[index]):08x}")
+    return None
+
+
 # Handles inherited through fork are parked, never closed in the child: closing an HDF5 handle
 # that the parent still uses would flush or free state the parent relies on.
 _INHERITED: list[Any] = []
@@ -259,12 +271,10 @@ class H5Reader(ChunkedReader):
         out: dict[str, np.ndarray] = {}
         for name, (mask, data) in raw.arrays.items():
             recorded = self.record.crc32.get(name)
-            if recorded is None or raw.index >= len(recorded):
-                raise CorruptChunkError(str(self.file), name, raw.index, "no crc32 is recorded for it")
-            if crc32(data) != int(recorded[raw.index]):
-                raise CorruptChunkError(str(self.file), name, raw.index,
-                                        f"its stored bytes have crc32 {crc32(data):08x}, the crc32 recorded "
-                                        f"when it was written is {int(recorded[raw.index]):08x}")
+            mismatch = "no crc32 is recorded for it" if recorded is None else \
+                _crc_mismatch(data, recorded, raw.index)
+            if mismatch is not None:
+                raise CorruptChunkError(str(self.file), name, raw.index, mismatch)
             decode = self._plain[name]
             assert decode is not None
             try:
@@ -345,14 +355,8 @@ class H5Reader(ChunkedReader):
             return "the chunk is missing (never written; HDF5 would return zeros)", None
         mask, raw, offset, size = stored
         where = f"bytes {offset}..{offset + size - 1}"
-        if recorded is not None:
-            if index >= len(recorded):
-                return f"no crc32 is recorded for it (the record holds {len(recorded)} chunks)", where
-            if crc32(raw) != int(recorded[index]):
-                return (
-                    f"its stored bytes have crc32 {crc32(raw):08x}, the crc32 recorded when it was written "
-                    f"is {int(recorded[index]):08x}"
-                ), where
+        if recorded is not None and (mismatch := _crc_mismatch(raw, recorded, index)) is not None:
+            return mismatch, where
         try:
             decode(raw, mask, count)
         except DECODE_ERRORS as exc:
