@@ -98,6 +98,37 @@ def grow(images: Path) -> None:
     shutil.move(images / "cat" / "002.png", images / "bee" / "moved.png")  # same content, other label
 
 
+def test_an_unreadable_file_in_the_grown_folder_is_skipped_and_counted_or_fails_as_set(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    images = folder(tmp_path / "photos", 12)
+    store = tmp_path / "store"
+    r = recipe(tmp_path / "r.yaml", images)
+    data = yaml.safe_load(r.read_text())
+    data["stages"]["photos"]["on_bad_sample"] = "skip"
+    r.write_text(yaml.safe_dump(data, sort_keys=False))
+    first = run(r, store, tmp_path / "run1")["cache"]
+    for i in range(12, 15):
+        draw(images, "ant", i)
+    broken = images / "bee" / "broken.png"
+    broken.write_bytes(b"not a png at all")
+    cache = run(r, store, tmp_path / "run2")["cache"]
+    # skipped: the extension is the stored entry plus the 3 readable new images, and the run says so
+    assert cache["metrics"]["extended_from"] == first["fingerprint"] and cache["metrics"]["new"] == 3
+    assert "1 in image_folder" in (tmp_path / "run2" / "report.md").read_text()
+    skipped = json.loads((tmp_path / "run2" / "summary.json").read_text())["skipped_samples"]
+    assert "broken.png" in json.dumps(skipped)
+    full = run(r, tmp_path / "fresh", tmp_path / "run3")["cache"]
+    assert content(store, cache["fingerprint"]) == content(tmp_path / "fresh", full["fingerprint"])
+
+    data["stages"]["photos"]["on_bad_sample"] = "fail"
+    r.write_text(yaml.safe_dump(data, sort_keys=False))
+    entries = sorted(p.name for p in (store / "entries").iterdir())
+    capsys.readouterr()
+    assert main(["run", str(r), "--store", str(store), "--output", str(tmp_path / "run4"), "--quiet"]) == 2
+    assert str(broken) in capsys.readouterr().err  # names the file; nothing stored is touched
+    assert sorted(p.name for p in (store / "entries").iterdir()) == entries
+
+
 @pytest.mark.parametrize("fmt", ["zarr", "hdf5"])
 def test_a_grown_folder_extends_the_stored_entry_to_the_full_builds_bytes(
         tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
