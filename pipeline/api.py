@@ -136,7 +136,7 @@ def run(
     from .threads import uninstall as uninstall_threads
 
     resolved, _ = load_checked(recipe, overrides)  # a recipe that does not load: refused before anything
-    for warning in random_backbone_warnings(resolved):
+    for warning in [*random_backbone_warnings(resolved), *slow_precision_warnings(resolved)]:
         print(warning, file=sys.stderr)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(output) if output is not None else _unused(Path("runs") / resolved.name / stamp)
@@ -354,6 +354,24 @@ def random_backbone_warnings(recipe: Recipe) -> list[str]:
             if warning:
                 warnings.append(warning)
     return warnings
+
+
+def slow_precision_warnings(recipe: Recipe) -> list[str]:
+    """A line for each stage the run trains in bf16 on a CPU without bf16 arithmetic (slower than fp32)."""
+    from .device import cpu_has_bf16
+    from .graph import Graph
+    from .methods.trainer import TrainConfig
+
+    if recipe.run.device != "cpu" or cpu_has_bf16() is not False:
+        return []
+    graph = Graph(recipe)
+    return [f"warning: stages.{name}.train.precision is bf16, but this CPU has no bfloat16 instructions "
+            "(no avx512_bf16, amx_bf16 or bf16 in /proc/cpuinfo): torch emulates them, slower than fp32 and "
+            "with bf16's rounding; set train.precision: fp32 here"
+            for name in graph.order
+            if name in graph.needed
+            and isinstance(cfg := getattr(recipe.stages[name], "train", None), TrainConfig)
+            and cfg.precision == "bf16"]
 
 
 # ------------------------------------------------------------------------------- cache_dataset

@@ -223,3 +223,39 @@ def test_out_of_memory_while_building_exits_1_and_the_build_resumes(
         str(Path(whole.path) / "data.zarr"), mode="r")
     for key in ("train/codes", "train/lo", "train/scale", "val/x"):
         assert np.array_equal(a[key][:], b[key][:]), key
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n", True),
+    ("processor\t: 0\nflags\t\t: fpu sse avx2 amx_tile amx_bf16\n", True),
+    ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", True),  # an Arm core (Neoverse V1 and later)
+    ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n", False),
+    ("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32\n", False),  # a Raspberry Pi 4's Cortex-A72
+])
+def test_cpu_bf16_is_read_from_the_cpus_flags(tmp_path: Path, text: str, expected: bool) -> None:
+    from pipeline.device import cpu_has_bf16
+
+    (tmp_path / "cpuinfo").write_text(text)
+    assert cpu_has_bf16(tmp_path / "cpuinfo") is expected
+    assert cpu_has_bf16(tmp_path / "missing") is None  # not Linux: unknown, so no warning
+
+
+def test_bf16_training_on_a_cpu_without_bf16_is_warned_about_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.device
+    from pipeline.api import slow_precision_warnings
+
+    recipe = recipe_from_dict({"name": "r", "stages": {
+        "data": {"type": "synthetic", "num_samples": 8, "num_classes": 2, "size": 16},
+        "model": {"type": "backbone", "arch": "mobilenet_v2", "num_classes": 2},
+        "images": {"type": "decode", "input": "data", "resolution": 16},
+        "fast": {"type": "finetune", "mode": "single_stage", "model": "model", "images": "images",
+                 "train": {"precision": "bf16"}},
+        "plain": {"type": "finetune", "mode": "single_stage", "model": "model", "images": "images"},
+    }, "targets": ["fast", "plain"]})
+    monkeypatch.setattr(pipeline.device, "cpu_has_bf16", lambda: False)
+    [line] = slow_precision_warnings(recipe)
+    assert "stages.fast.train.precision" in line and "fp32" in line
+    monkeypatch.setattr(pipeline.device, "cpu_has_bf16", lambda: True)
+    assert slow_precision_warnings(recipe) == []
+    monkeypatch.setattr(pipeline.device, "cpu_has_bf16", lambda: None)
+    assert slow_precision_warnings(recipe) == []

@@ -58,6 +58,11 @@ class TrainConfig(RecipeModel):
     cuda_graph: Literal["auto", "on", "off"] = Field(
         "auto", description="capture the training step as a CUDA graph (pipeline.methods.graphed): auto "
         "where it can (CUDA, fp32/bf16, adamw/adam/sgd), on (refused where it cannot), off (eager)")
+    memory_format: Literal["contiguous", "channels_last"] = Field(
+        "contiguous", description="the layout of the trained network's 4-D weights and of its input "
+        "batches: channels_last (NHWC) makes depthwise-heavy tops (MobileNetV2 blocks at 7x7 and 14x14) "
+        "faster on a CPU and slows 1x1-only ones (benchmarks/README.md has the figures); it changes the "
+        "kernels and so the last bits of the weights, which is why it is a setting of the recipe")
     micro_batch: int = Field(
         DEFAULT_MICRO_BATCH, ge=1, description="run.deterministic on a CPU: samples per micro-batch, each "
         "computed on one thread and summed in a fixed order (pipeline.methods.microbatch); batch norm "
@@ -203,6 +208,7 @@ class _Loop:
     pace: StepPacer | None = None
     graph: StepGraph | None = None  # the step as a CUDA graph (train.cuda_graph), else the eager step
     micro: MicroBatches | None = None  # the step in micro-batches (run.deterministic on a CPU)
+    layout: _Layout | None = None  # train.memory_format, applied to each batch
 
 
 def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int | None,
@@ -213,6 +219,8 @@ def _train_epoch(loop: _Loop, batches: Batches, epoch: int, steps_per_epoch: int
     correct = torch.zeros((), dtype=torch.int64, device=loop.device)
     pace.start()
     for step, (x, y) in enumerate(to_device(batches, loop.device)):
+        if loop.layout is not None:
+            x = loop.layout.batch(x)
         frac = step / steps_per_epoch if steps_per_epoch else 0.5
         ep.lr = cfg.lr_at(epoch + min(frac, 1.0))
         for group in opt.param_groups:
@@ -288,7 +296,32 @@ def _train_epoch_graphed(loop: _Loop, graph: StepGraph, batches: Batches, epoch:
 
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    # contiguous: a channels_last network's checkpoint holds the same bytes as any other's
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+
+
+class _Layout:
+    """``train.memory_format`` applied: the network's weights and each input batch in that layout for
+    training, the network back in the default layout when training ends (what is saved, exported and
+    loaded elsewhere never depends on the setting's layout)."""
+
+    def __init__(self, model: nn.Module, memory_format: str) -> None:
+        self.model = model
+        self.format = torch.channels_last if memory_format == "channels_last" else None
+
+    def __enter__(self) -> _Layout:
+        if self.format is not None:
+            self.model.to(memory_format=self.format)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.format is not None:
+            self.model.to(memory_format=torch.contiguous_format)
+
+    def batch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format is None or not isinstance(x, torch.Tensor) or x.dim() != 4:
+            return x
+        return x.contiguous(memory_format=self.format)
 
 
 def train(model: nn.Module, parameters: Iterable[nn.Parameter],
@@ -348,7 +381,8 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     else:
         pace = step_pacer()
     loss_fn = loss if loss is not None else cross_entropy(cfg)
-    loop = _Loop(model, opt, params, cfg, amp, device, loss_fn, progress, pace, micro=micro)
+    layout = _Layout(model, cfg.memory_format)
+    loop = _Loop(model, opt, params, cfg, amp, device, loss_fn, progress, pace, micro=micro, layout=layout)
     result = TrainResult()
     start = 0
     saved = None
@@ -387,7 +421,7 @@ def train(model: nn.Module, parameters: Iterable[nn.Parameter],
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), (closing(ahead) if ahead is not None else nullcontext()), \
-            (micro if micro is not None else nullcontext()):
+            (micro if micro is not None else nullcontext()), layout:
         torch.manual_seed(cfg.seed)
         if saved is not None:
             restore_rng(saved["rng"], device)

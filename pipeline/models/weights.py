@@ -96,7 +96,7 @@ def save_weights(net: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor "
                              f"(saving {path})")
-        state[key] = value.detach().to("cpu")
+        state[key] = value.detach().to("cpu").contiguous()  # the same bytes whatever layout it trained in
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temp_beside(path)
     try:

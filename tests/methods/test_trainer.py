@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -251,3 +252,46 @@ def test_batches_read_ahead_train_the_same_model(tmp_path: Path) -> None:
         result = run(model, TrainConfig(epochs=3, seed=1), None, read_ahead=read_ahead)
         results.append((state_dict_hash(model), [h["train_loss"] for h in result.history]))
     assert results[0] == results[1]
+
+
+def test_channels_last_trains_the_same_model_to_rounding_and_saves_the_default_layout(tmp_path: Path) -> None:
+    """train.memory_format: channels_last trains in NHWC and hands back (and saves) a contiguous network
+    whose weights match the default layout's to rounding; the setting is part of the stage's fingerprint."""
+    torch.manual_seed(0)
+    net = build_backbone("mobilenet_v2", 3, width_mult=0.35, small_input=True, dropout=0.0)
+    _, top0 = split_at(net, 7)  # its input: 32 channels at 4x4 (a 1x1 map is in both layouts at once)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (48,), generator=g)
+    with torch.no_grad():
+        feats = torch.randn(48, *_top_input_shape(net, 7), generator=g) + y[:, None, None, None]
+    trained = {}
+    for layout in ("contiguous", "channels_last"):
+        top = copy.deepcopy(top0)
+        seen: list[bool] = []
+
+        def note_layout(_m: nn.Module, args: tuple[torch.Tensor, ...], seen: list[bool] = seen) -> None:
+            seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+
+        hook = top.register_forward_pre_hook(note_layout)
+        train(top, top.parameters(), lambda e: batches_of((feats, y), 16, shuffle_seed=e), None,
+              # sgd: Adam's normalised steps would turn last-bit gradient differences into lr-sized ones
+              TrainConfig(epochs=1, lr=0.01, optimizer="sgd", memory_format=layout),
+              checkpoint_dir=tmp_path / layout)
+        hook.remove()
+        assert seen and all(seen) == (layout == "channels_last")
+        assert all(p.is_contiguous() for p in top.parameters())  # handed back in the default layout
+        saved, _ = load_weights(tmp_path / layout / "best.pt")
+        assert all(t.is_contiguous() for t in saved.values())
+        trained[layout] = top.state_dict()
+    for key, value in trained["contiguous"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(trained["channels_last"][key], value, rtol=1e-2, atol=1e-3)
+    with pytest.raises(ValidationError, match="memory_format"):
+        TrainConfig(memory_format="nhwc")
+    assert "memory_format" not in TrainConfig().model_dump(exclude_defaults=True)  # old fingerprints stay
+
+
+def _top_input_shape(net: nn.Module, n: int) -> tuple[int, ...]:
+    bottom, _ = split_at(net, n)
+    with torch.no_grad():
+        return tuple(bottom.eval()(torch.zeros(1, 3, 32, 32)).shape[1:])
