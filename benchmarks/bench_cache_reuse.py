@@ -490,6 +490,7 @@ def main() -> None:
     }
     path = write_result(
         "cache_reuse_epoch_time"
+        + ("_top_switches" if args.top_set else "")  # the result without them stays on record
         + ("" if keep_heap else "_malloc_defaults")
         + ("" if kernel else "_torch_dequantize"),
         {

@@ -19,7 +19,8 @@ from .common import (
     times,
 )
 
-RESULTS = ("cache_reuse_epoch_time", "cache_reuse_epoch_time_malloc_defaults")
+RESULTS = ("cache_reuse_epoch_time", "cache_reuse_epoch_time_malloc_defaults",
+           "cache_reuse_epoch_time_top_switches")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {
     "cache_reuse_epoch_time": "python -m benchmarks.bench_cache_reuse --device cuda"
@@ -94,9 +95,22 @@ def render(result: Result, results_dir: Path) -> Rendered:
         f"two-stage {span(speedups, times)} faster per epoch than single-stage; "
         f"{span(ratios, times)} the compute limit"
     )
+    fast = [r for r in rows if r.get("top_settings")]
+    if fast:  # --top-set: the two-stage epoch with the top's speed switches, against the eager loop
+        body += ["", "With the top's speed switches (a fourth pass of each paired repeat, same cache):", ""]
+        body += table(
+            ["trained blocks", "train settings", "two-stage / eager loop: paired median", "pairs"],
+            [[num(r["train_last_blocks"]),
+              ", ".join(f"{k}: {v}" for k, v in r["top_settings"].items()),
+              times(r["fast_two_stage_over_compute_limit_median"]),
+              span(r["fast_two_stage_over_compute_limit_paired"], times)] for r in fast],
+        )
+        fast_ratios = [r["fast_two_stage_over_compute_limit_median"] for r in fast]
+        headline += f"; with the top's speed switches {span(fast_ratios, times)} the eager loop"
     return Rendered(
         title="Cache & Reuse: epoch time, single-stage vs two-stage vs compute limit"
-        + (f" ({settings['malloc']})" if "glibc" in settings.get("malloc", "") else ""),
+        + (f" ({settings['malloc']})" if "glibc" in settings.get("malloc", "") else "")
+        + (" (with the top's speed switches)" if fast else ""),
         headline=headline,
         body=body,
         figures=[("epoch_seconds", "Seconds per epoch (log scale)", fig)],

@@ -244,10 +244,14 @@ def save_transfer_model(ctx: RunContext, call: StageCall, *, bottom: nn.Module, 
 
 
 def save_exit_model(ctx: RunContext, call: StageCall, compact: nn.Module, *, arch: str, width_mult: float,
-                    in_shape: Sequence[int], aux: str, exit_layer: int, num_classes: int) -> str | None:
-    """The model file of a NeuroFlux exit: the layers up to the exit and that exit's head."""
+                    in_shape: Sequence[int], aux: str, exit_layer: int, num_classes: int,
+                    head: str = "aux") -> str | None:
+    """The model file of a NeuroFlux exit: the layers up to the exit and that exit's head (``head: aux``),
+    or every layer and the network's own classifier (``head: classifier``: the planner's backpropagation)."""
     network = {"family": "neuroflux_exit", "arch": arch, "num_classes": num_classes, "width_mult": width_mult,
                "in_shape": [int(d) for d in in_shape], "aux": aux, "exit_layer": exit_layer}
+    if head != "aux":  # absent for an auxiliary head: files written before the key existed read the same
+        network["head"] = head
     return _save(ctx, call, compact, network, data_field="input", resolution=int(in_shape[-1]))
 
 

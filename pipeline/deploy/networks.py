@@ -63,8 +63,10 @@ def rebuild(network: Mapping[str, Any]) -> nn.Module:
                 net = layer_nets.build_layer_net(str(network["arch"]), num_classes,
                                                  width_mult=float(network["width_mult"]), in_channels=c,
                                                  resolution=h)
-                heads = aux_heads.build_aux_heads(net.info, network["aux"], num_classes)
                 k = int(network["exit_layer"])
+                if network.get("head", "aux") == "classifier":  # NeuroFlux's planner trained it end to end
+                    return aux_heads.ExitModel(list(net.layers), net.classifier)
+                heads = aux_heads.build_aux_heads(net.info, network["aux"], num_classes)
                 return aux_heads.ExitModel(list(net.layers[: k + 1]), heads[k])
             backbone = zoo.build_backbone(str(network["arch"]), num_classes,
                                           width_mult=float(network["width_mult"]),

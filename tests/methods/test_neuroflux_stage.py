@@ -283,3 +283,34 @@ def test_memory_command_shows_the_block_plan_without_training(tmp_path: Path) ->
     assert "block 2: layers 5-7 at batch 86" in text
     assert "cannot run: memory budget 0.05 MiB is too small for layer layers.0" in text
     assert not Catalog(tmp_path / "store").entries()  # nothing trained, nothing stored
+
+
+def test_the_planner_trains_by_backprop_where_it_fits_a_large_batch_and_says_so(tmp_path: Path) -> None:
+    """At a budget where backpropagation fits at backprop_from_batch or more, the stage trains the whole
+    network end to end (faster there), says why, stores no blocks, and its model file is the whole network;
+    ``backprop_from_batch: null`` trains Algorithm 1's blocks at the same budget; classic LL never
+    switches."""
+    from pipeline.deploy.model_file import load_model
+    from pipeline.memory_report import memory_report
+
+    loose = {"memory_budget_mib": 64, "batch_cap": 32}
+    metrics = run_in_process(tmp_path, recipe_dict(**loose))
+    assert metrics["plan"] == "backprop" and metrics["variant"] == "neuroflux"
+    assert "at batch 32 (>= backprop_from_batch 16)" in metrics["plan_reason"]
+    assert metrics["batch_size"] == 32 and metrics["blocks"] == [] and metrics["exit_layer"] is None
+    assert metrics["parameter_compression"] == 1.0 and metrics["accuracy"] > 0.3
+    assert not Catalog(tmp_path / "store").entries()  # no block, no spill
+    loaded = load_model(tmp_path / "out", "nf")
+    assert loaded.metadata["network"]["head"] == "classifier"
+    reference = torch.load(tmp_path / "out" / "stages" / "nf" / "exit_model.reference.pt", weights_only=True)
+    with torch.no_grad():
+        assert torch.allclose(loaded(reference["x"]), reference["logits"], atol=1e-5)
+
+    blocks = run_in_process(tmp_path, recipe_dict(**loose, backprop_from_batch=None), store="store2")
+    assert blocks["plan"] == "blocks" and blocks["blocks"] and blocks["exit_layer"] is not None
+    recipe = recipe_dict(**loose)
+    recipe["stages"]["ll"] = {**recipe["stages"]["nf"], "variant": "classic_ll"}
+    recipe["targets"] = ["nf", "ll"]
+    text, data = memory_report(recipe_from_dict(recipe), RunContext(catalog=Catalog(tmp_path / "store3")))
+    assert data["stages"]["nf"]["plan"] == "backprop" and "plan: backprop" in text
+    assert "plan" not in data["stages"]["ll"] and data["stages"]["ll"]["blocks"]

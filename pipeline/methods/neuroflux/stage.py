@@ -196,274 +196,16 @@ class _BudgetedTraining(Stage):
             reached = next((t for t, acc in curve if acc >= self.target_accuracy), None)
         return {"val_curve": curve, "target_accuracy": self.target_accuracy, "time_to_target_s": reached}
 
-    def _profile(
-        self, name: str, module: nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device
-    ) -> MemoryFit:
-        return profile_module(
-            name,
-            module,
-            shape,
-            num_classes=num_classes,
-            optimizer=self.train.optimizer,
-            batches=self.profile_batches,
-            device=device,
-        )
-
-
-class NeuroFlux(_BudgetedTraining):
-    """Adaptive local learning under a memory budget with block-wise activation spill (or classic LL)."""
-
-    type_name: ClassVar[str] = "neuroflux"
-    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"prefetch", "eval_batch_size", "export", "keep_spills"}
-    )
-
-    variant: Literal["neuroflux", "classic_ll"] = "neuroflux"
-    aux: Literal["adaptive", "classic"] | None = Field(
-        None, description="auxiliary nets; default adaptive for neuroflux, classic for classic_ll"
-    )
-    rho: float = Field(0.4, ge=0, lt=1, description="Algorithm 1: max relative batch-size spread in a block")
-    spill: SpillConfig = SpillConfig()
-    keep_spills: bool = Field(False, description="keep every spill (default: drop one once the next exists)")
-    exit_rule: ExitRule = "fewest_parameters_within"
-    exit_tolerance: float = Field(
-        0.005, ge=0, le=1, description="near tie: validation accuracy within this of the best exit"
-    )
-    export: bool = Field(True, description="write the compact model to the run's output directory")
-
-    @property
-    def aux_kind(self) -> Literal["adaptive", "classic"]:
-        return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
-
-    def training_fingerprint(self, call: StageCall) -> str | None:
-        """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
-
-        Choosing or exporting a different exit never changes a trained block, so those settings are
-        left out: a recipe that only changes ``exit_tolerance`` reuses every block. None when the
-        stage's input cannot be fingerprinted (nothing is stored then).
-        """
-        stage_fp, parent = call.fingerprint, call.parents.get("input", "")
-        if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
-            return None
-        return partial_fingerprint(self, parent, EXIT_SETTINGS)
-
-    # ------------------------------------------------------------------ plan
-    def profile_layers(
-        self, spec: Spec, device: torch.device | None = None
-    ) -> tuple[layer_nets.LayerNet, nn.ModuleList, list[aux_heads.LocalLayer], list[MemoryFit]]:
-        """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step,
-        on ``device`` (CUDA: the allocator's peak; CPU: the training-memory meter), where they then are."""
-        device = torch.device(device or "cpu")
-        net = self._net(spec)
-        heads = aux_heads.build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
-        net.to(device)
-        heads.to(device)
-        local = [aux_heads.LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
-        fits = [
-            self._profile(info.name, local[i], info.in_shape, spec.num_classes, device)
-            for i, info in enumerate(net.info)
-        ]
-        return net, heads, local, fits
-
-    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
-        """What ``python -m pipeline memory`` shows: every layer's line and the blocks, before training."""
-        net, _, _, fits = self.profile_layers(spec, device)
-        rows = [
-            f"  {f.name:<10} {f.slope / MIB:8.3f} MiB/sample {f.intercept / MIB:8.2f} MiB static  "
-            f"R² {f.r2:.4f}  max batch {f.max_batch(self.budget_bytes, self.batch_cap)}"
-            for f in fits
-        ]
-        out: dict[str, Any] = {"budget_mib": self.memory_budget_mib, "layers": [f.as_dict() for f in fits],
-                               "measured_by": _measured_by(device)}
-        try:
-            blocks = self.plan(fits, [info.name for info in net.info])
-        except MemoryBudgetError as exc:
-            out["error"] = str(exc)
-            return "\n".join([*rows, f"  cannot run: {exc}"]), out
-        out["blocks"] = [b.as_dict() for b in blocks]
-        rows += [
-            f"  block {b.index}: layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}, "
-            f"{b.predicted_bytes / MIB:.2f} MiB of {self.memory_budget_mib:.2f}"
-            for b in blocks
-        ]
-        return "\n".join(rows), out
-
-    def plan(self, fits: list[MemoryFit], names: list[str]) -> list[Block]:
-        """Blocks with batch sizes: Algorithm 1, or one block of every layer for classic LL."""
-        if self.variant == "neuroflux":
-            return partition(fits, self.budget_bytes, cap=self.batch_cap, rho=self.rho, names=names)
-        b = block_max_batch(fits, self.budget_bytes, self.batch_cap)
-        if b < 1:
-            raise MemoryBudgetError(
-                f"memory budget {self.memory_budget_mib:.2f} MiB is too small for classic local learning "
-                f"of {self.arch}: all {len(fits)} layers with their auxiliary nets train together and need "
-                f"{block_bytes(fits, 1) / MIB:.2f} MiB at batch size 1"
-            )
-        per_layer = tuple(f.max_batch(self.budget_bytes, self.batch_cap) for f in fits)
-        return [Block(0, tuple(range(len(fits))), b, per_layer, int(block_bytes(fits, b)))]
-
-    # ------------------------------------------------------------------ run
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
-        name = call.name
-        images: Stream = inputs["input"]
-        started = time.perf_counter()
-        net, heads, local, fits = self.profile_layers(images.spec, ctx.torch_device)
-        names = [info.name for info in net.info]
-        profile_seconds = time.perf_counter() - started
-        blocks = self.plan(fits, names)
-        ctx.progress.log(
-            f"[{name}] {self.variant}: {len(blocks)} block(s) under {self.memory_budget_mib:.2f} MiB: "
-            + "; ".join(f"layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}" for b in blocks)
-        )
-
-        fingerprint = self.training_fingerprint(call)
-        scratch = None
-        catalog = ctx.catalog
-        if fingerprint is None:  # nothing may be stored under it: work in a throwaway store
-            scratch = tempfile.TemporaryDirectory(prefix=f"{name}-neuroflux-")
-            catalog = Catalog(scratch.name)
-            fingerprint = derived_fingerprint("0" * 64, call.fingerprint or name)
-        spills = Spills(
-            catalog,
-            fingerprint,
-            self.spill,
-            prefetch=self.prefetch,
-            keep=self.keep_spills,
-            log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
-        )
-        run = block_runs.BlockRun(
-            self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started
-        )
-        try:
-            for block in blocks:
-                run.train(block)
-            run.finish()
-        finally:
-            spills.close()
-        train_seconds = time.perf_counter() - started
-
-        val_acc = run.val_acc
-        candidates = [
-            ExitCandidate(
-                i, val_acc[i], count_parameters(aux_heads.ExitModel(list(net.layers[: i + 1]), heads[i]))
-            )
-            for i in range(len(net.layers))
-        ]
-        chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
-        compact = aux_heads.ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
-        test_split = self._test_split(images)
-        _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split),
-                                       precision=self.train.precision)
-        # Every exit's test accuracy, for reporting only (the choice above saw validation data only):
-        # the accuracy-vs-size curve a user picks a different tolerance from.
-        exit_test_acc = local_learning.evaluate_heads(local, self._eval_batches(images, test_split))
-        shape = net.in_shape
-        full_parameters = count_parameters(net)
-        metrics: dict[str, Any] = {
-            "accuracy": test_acc,
-            "test_split": test_split,
-            "test_samples": test_n,
-            "variant": self.variant,
-            "aux": self.aux_kind,
-            "arch": self.arch,
-            "width_mult": self.width_mult,
-            "memory_budget_mib": self.memory_budget_mib,
-            "blocks": [
-                {
-                    **b.as_dict(),
-                    "layers": list(b.layers),
-                    "layer_batches": list(b.layer_batches),
-                    "predicted_mib": b.predicted_bytes / MIB,
-                    "status": run.status[b.index],
-                }
-                for b in blocks
-            ],
-            "profile": [
-                {"layer": f.name, "slope": f.slope, "intercept": f.intercept, "r2": f.r2} for f in fits
-            ],
-            "profile_r2_min": min(f.r2 for f in fits),
-            "profile_seconds": profile_seconds,
-            "spill_seconds": run.spill_seconds,
-            "blocks_reused": sum(status == "reused" for status in run.status.values()),
-            "train_seconds": train_seconds,
-            **self._curve_metrics(run.curve),
-            "val_acc_per_layer": [val_acc[i] for i in range(len(net.layers))],
-            "exit_candidates": [
-                {**c.as_dict(), "test_acc": acc} for c, acc in zip(candidates, exit_test_acc, strict=True)
-            ],
-            "exit_layer": chosen.layer,
-            "exit_val_acc": chosen.val_acc,
-            "compact_parameters": chosen.parameters,
-            "full_parameters": full_parameters,
-            "parameter_compression": full_parameters / chosen.parameters,
-            "compact_images_per_s": throughput(compact, shape),
-            "full_images_per_s": throughput(net, shape),
-            "device": str(ctx.torch_device),
-            "precision": self.train.precision,
-            "memory_measured_by": _measured_by(ctx.torch_device),
-            "spills": run.spill_report(),
-            "epochs": self.train.epochs,
-            "model_file": save_exit_model(ctx, call, compact, arch=self.arch, width_mult=self.width_mult,
-                                          in_shape=shape, aux=self.aux_kind, exit_layer=chosen.layer,
-                                          num_classes=images.spec.num_classes),
-        }
-        metrics["exit_speedup"] = metrics["compact_images_per_s"] / metrics["full_images_per_s"]
-        out_dir = ctx.stage_dir(name)
-        if self.export and out_dir is not None:
-            # Exported from a CPU copy: the file is for devices, and loads on any machine.
-            compact = copy.deepcopy(compact).cpu()
-            path = export_model(compact, shape, out_dir / "exit_model.pt2")
-            # Reference inputs and outputs beside the model, so a device can check its copy computes
-            # what the toolkit's model computes; checked here once against the exported program.
-            x = next(self._eval_batches(images, test_split))[0][:32].cpu()
-            with torch.no_grad():
-                logits = compact(x)
-                diff = (load_exported(path)(x) - logits).abs().max().item()
-            block_runs.save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
-            metrics.update(
-                exported_model=str(path),
-                exported_max_abs_diff=diff,
-                bytes_written=path.stat().st_size,
-            )
-            ctx.progress.log(f"[{name}] exported the exit at layer {chosen.layer} to {path}")
-        if scratch is not None:
-            scratch.cleanup()
-        return metrics
-
-
-class Backprop(_BudgetedTraining):
-    """The baseline: end-to-end backpropagation with the largest batch that fits the budget."""
-
-    type_name: ClassVar[str] = "backprop"
-
-    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
-        """What ``python -m pipeline memory`` shows: the whole network's line and the batch it allows."""
-        net = self._net(spec).to(torch.device(device or "cpu"))
+    def _whole_network(self, spec: Spec, device: torch.device) -> tuple[layer_nets.LayerNet, MemoryFit, int]:
+        """(network, its memory line, the largest batch backpropagation through all of it fits the budget)."""
+        net = self._net(spec).to(device)
         fit = self._profile("the whole network", net, net.in_shape, spec.num_classes, net_device(net))
-        batch = fit.max_batch(self.budget_bytes, self.batch_cap)
-        text = (
-            f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
-            f"R² {fit.r2:.4f}"
-            f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
-            + ("" if batch else f" (cannot run: needs {fit.bytes_at(1) / MIB:.2f} MiB at batch size 1)")
-        )
-        return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch,
-                      "measured_by": _measured_by(net_device(net))}
+        return net, fit, fit.max_batch(self.budget_bytes, self.batch_cap)
 
-    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
-        name = call.name
-        images: Stream = inputs["input"]
-        started = time.perf_counter()
-        net = self._net(images.spec).to(ctx.torch_device)
-        fit = self._profile("the whole network", net, net.in_shape, images.spec.num_classes, ctx.torch_device)
-        batch = fit.max_batch(self.budget_bytes, self.batch_cap)
-        if batch < 1:
-            raise MemoryBudgetError(
-                f"memory budget {self.memory_budget_mib:.2f} MiB is too small for backpropagation through "
-                f"{self.arch} (width {self.width_mult}): it needs {fit.bytes_at(1) / MIB:.2f} MiB at batch "
-                f"size 1 ({fit.intercept / MIB:.2f} MiB weights, gradients and optimizer state, "
-                f"{fit.slope / MIB:.2f} MiB per sample)"
-            )
+    def _end_to_end(self, ctx: RunContext, name: str, images: Stream, net: layer_nets.LayerNet,
+                    fit: MemoryFit, batch: int, started: float) -> tuple[dict[str, Any], float]:
+        """Backpropagation through ``net`` at ``batch``, the best epoch's weights loaded back:
+        (metrics, seconds since ``started``)."""
         ctx.progress.log(f"[{name}] backprop at batch {batch} under {self.memory_budget_mib:.2f} MiB")
         curve: list[tuple[float, float]] = []
 
@@ -523,4 +265,337 @@ class Backprop(_BudgetedTraining):
             "device": str(ctx.torch_device),
             "precision": self.train.precision,
             "memory_measured_by": _measured_by(ctx.torch_device),
+        }, train_seconds
+
+    def _profile(
+        self, name: str, module: nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device
+    ) -> MemoryFit:
+        return profile_module(
+            name,
+            module,
+            shape,
+            num_classes=num_classes,
+            optimizer=self.train.optimizer,
+            batches=self.profile_batches,
+            device=device,
+        )
+
+
+class NeuroFlux(_BudgetedTraining):
+    """Adaptive local learning under a memory budget with block-wise activation spill (or classic LL)."""
+
+    type_name: ClassVar[str] = "neuroflux"
+    fingerprint_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"prefetch", "eval_batch_size", "export", "keep_spills"}
+    )
+    # 4: the planner trains by backpropagation where it fits at backprop_from_batch (default 16): a loose
+    #    budget's fingerprint, which meant blocks, now means the end-to-end network
+    version: ClassVar[int] = 4
+
+    variant: Literal["neuroflux", "classic_ll"] = "neuroflux"
+    aux: Literal["adaptive", "classic"] | None = Field(
+        None, description="auxiliary nets; default adaptive for neuroflux, classic for classic_ll"
+    )
+    rho: float = Field(0.4, ge=0, lt=1, description="Algorithm 1: max relative batch-size spread in a block")
+    spill: SpillConfig = SpillConfig()
+    keep_spills: bool = Field(False, description="keep every spill (default: drop one once the next exists)")
+    exit_rule: ExitRule = "fewest_parameters_within"
+    exit_tolerance: float = Field(
+        0.005, ge=0, le=1, description="near tie: validation accuracy within this of the best exit"
+    )
+    export: bool = Field(True, description="write the compact model to the run's output directory")
+    backprop_from_batch: int | None = Field(
+        16, ge=1, description="variant neuroflux: where backpropagation through the whole network fits the "
+        "budget at this batch size or larger, the planner trains it end to end instead of in blocks and says "
+        "so (faster there: local learning's per-layer heads cost more than backpropagation's large batch "
+        "does; benchmarks/README.md); there is no early exit then. null: always Algorithm 1's blocks")
+
+    @property
+    def aux_kind(self) -> Literal["adaptive", "classic"]:
+        return self.aux or ("adaptive" if self.variant == "neuroflux" else "classic")
+
+    def training_fingerprint(self, call: StageCall) -> str | None:
+        """What trained blocks and spills are keyed by: the stage's fingerprint minus the exit settings.
+
+        Choosing or exporting a different exit never changes a trained block, so those settings are
+        left out: a recipe that only changes ``exit_tolerance`` reuses every block. None when the
+        stage's input cannot be fingerprinted (nothing is stored then).
+        """
+        stage_fp, parent = call.fingerprint, call.parents.get("input", "")
+        if not (stage_fp and parent and is_cacheable(stage_fp) and is_cacheable(parent)):
+            return None
+        return partial_fingerprint(self, parent, EXIT_SETTINGS)
+
+    # ------------------------------------------------------------------ plan
+    def profile_layers(
+        self, spec: Spec, device: torch.device | None = None
+    ) -> tuple[layer_nets.LayerNet, nn.ModuleList, list[aux_heads.LocalLayer], list[MemoryFit]]:
+        """(network, auxiliary heads, layer+head units, each unit's memory line): the profiler's step,
+        on ``device`` (CUDA: the allocator's peak; CPU: the training-memory meter), where they then are."""
+        device = torch.device(device or "cpu")
+        net = self._net(spec)
+        heads = aux_heads.build_aux_heads(net.info, self.aux_kind, spec.num_classes, seed=self.seed)
+        net.to(device)
+        heads.to(device)
+        local = [aux_heads.LocalLayer(layer, head) for layer, head in zip(net.layers, heads, strict=True)]
+        fits = [
+            self._profile(info.name, local[i], info.in_shape, spec.num_classes, device)
+            for i, info in enumerate(net.info)
+        ]
+        return net, heads, local, fits
+
+    def backprop_plan(self, spec: Spec,
+                      device: torch.device) -> tuple[layer_nets.LayerNet, MemoryFit, int] | None:
+        """The planner's first question: does backpropagation fit the budget at ``backprop_from_batch`` or
+        more? Then (network, its memory line, the batch) to train it end to end; else None (blocks)."""
+        if self.variant != "neuroflux" or self.backprop_from_batch is None:
+            return None
+        net, fit, batch = self._whole_network(spec, device)
+        return (net, fit, batch) if batch >= self.backprop_from_batch else None
+
+    def _backprop_reason(self, batch: int) -> str:
+        return (f"backpropagation fits {self.memory_budget_mib:.2f} MiB at batch {batch} (>= "
+                f"backprop_from_batch {self.backprop_from_batch}), where it trains faster than local "
+                "learning: trained end to end, no early exit (backprop_from_batch: null trains blocks)")
+
+    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
+        """What ``python -m pipeline memory`` shows: every layer's line and the blocks, before training."""
+        planned = self.backprop_plan(spec, torch.device(device or "cpu"))
+        if planned is not None:
+            _, fit, batch = planned
+            return (f"  plan: backprop: {self._backprop_reason(batch)}\n"
+                    f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
+                    f"R² {fit.r2:.4f}"), {
+                "budget_mib": self.memory_budget_mib, "plan": "backprop", "fit": fit.as_dict(),
+                "batch_size": batch, "measured_by": _measured_by(device)}
+        net, _, _, fits = self.profile_layers(spec, device)
+        rows = [
+            f"  {f.name:<10} {f.slope / MIB:8.3f} MiB/sample {f.intercept / MIB:8.2f} MiB static  "
+            f"R² {f.r2:.4f}  max batch {f.max_batch(self.budget_bytes, self.batch_cap)}"
+            for f in fits
+        ]
+        out: dict[str, Any] = {"budget_mib": self.memory_budget_mib, "layers": [f.as_dict() for f in fits],
+                               "measured_by": _measured_by(device)}
+        try:
+            blocks = self.plan(fits, [info.name for info in net.info])
+        except MemoryBudgetError as exc:
+            out["error"] = str(exc)
+            return "\n".join([*rows, f"  cannot run: {exc}"]), out
+        out["blocks"] = [b.as_dict() for b in blocks]
+        rows += [
+            f"  block {b.index}: layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}, "
+            f"{b.predicted_bytes / MIB:.2f} MiB of {self.memory_budget_mib:.2f}"
+            for b in blocks
+        ]
+        return "\n".join(rows), out
+
+    def plan(self, fits: list[MemoryFit], names: list[str]) -> list[Block]:
+        """Blocks with batch sizes: Algorithm 1, or one block of every layer for classic LL."""
+        if self.variant == "neuroflux":
+            return partition(fits, self.budget_bytes, cap=self.batch_cap, rho=self.rho, names=names)
+        b = block_max_batch(fits, self.budget_bytes, self.batch_cap)
+        if b < 1:
+            raise MemoryBudgetError(
+                f"memory budget {self.memory_budget_mib:.2f} MiB is too small for classic local learning "
+                f"of {self.arch}: all {len(fits)} layers with their auxiliary nets train together and need "
+                f"{block_bytes(fits, 1) / MIB:.2f} MiB at batch size 1"
+            )
+        per_layer = tuple(f.max_batch(self.budget_bytes, self.batch_cap) for f in fits)
+        return [Block(0, tuple(range(len(fits))), b, per_layer, int(block_bytes(fits, b)))]
+
+    # ------------------------------------------------------------------ run
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        name = call.name
+        images: Stream = inputs["input"]
+        started = time.perf_counter()
+        planned = self.backprop_plan(images.spec, ctx.torch_device)
+        if planned is not None:
+            return self._run_backprop(ctx, call, images, *planned, started)
+        net, heads, local, fits = self.profile_layers(images.spec, ctx.torch_device)
+        names = [info.name for info in net.info]
+        profile_seconds = time.perf_counter() - started
+        blocks = self.plan(fits, names)
+        ctx.progress.log(
+            f"[{name}] {self.variant}: {len(blocks)} block(s) under {self.memory_budget_mib:.2f} MiB: "
+            + "; ".join(f"layers {b.layers[0]}-{b.layers[-1]} at batch {b.batch_size}" for b in blocks)
+        )
+
+        fingerprint = self.training_fingerprint(call)
+        scratch = None
+        catalog = ctx.catalog
+        if fingerprint is None:  # nothing may be stored under it: work in a throwaway store
+            scratch = tempfile.TemporaryDirectory(prefix=f"{name}-neuroflux-")
+            catalog = Catalog(scratch.name)
+            fingerprint = derived_fingerprint("0" * 64, call.fingerprint or name)
+        spills = Spills(
+            catalog,
+            fingerprint,
+            self.spill,
+            prefetch=self.prefetch,
+            keep=self.keep_spills,
+            log=lambda msg: ctx.progress.log(f"[{name}] {msg}"),
+        )
+        run = block_runs.BlockRun(
+            self, ctx, name, catalog, fingerprint, net, local, blocks, images, spills, started
+        )
+        try:
+            for block in blocks:
+                run.train(block)
+            run.finish()
+        finally:
+            spills.close()
+        train_seconds = time.perf_counter() - started
+
+        val_acc = run.val_acc
+        candidates = [
+            ExitCandidate(
+                i, val_acc[i], count_parameters(aux_heads.ExitModel(list(net.layers[: i + 1]), heads[i]))
+            )
+            for i in range(len(net.layers))
+        ]
+        chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
+        compact = aux_heads.ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
+        test_split = self._test_split(images)
+        _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split),
+                                       precision=self.train.precision)
+        # Every exit's test accuracy, for reporting only (the choice above saw validation data only):
+        # the accuracy-vs-size curve a user picks a different tolerance from.
+        exit_test_acc = local_learning.evaluate_heads(local, self._eval_batches(images, test_split))
+        shape = net.in_shape
+        full_parameters = count_parameters(net)
+        metrics: dict[str, Any] = {
+            "accuracy": test_acc,
+            "test_split": test_split,
+            "test_samples": test_n,
+            "variant": self.variant,
+            "aux": self.aux_kind,
+            "plan": "blocks",
+            "arch": self.arch,
+            "width_mult": self.width_mult,
+            "memory_budget_mib": self.memory_budget_mib,
+            "blocks": [
+                {
+                    **b.as_dict(),
+                    "layers": list(b.layers),
+                    "layer_batches": list(b.layer_batches),
+                    "predicted_mib": b.predicted_bytes / MIB,
+                    "status": run.status[b.index],
+                }
+                for b in blocks
+            ],
+            "profile": [
+                {"layer": f.name, "slope": f.slope, "intercept": f.intercept, "r2": f.r2} for f in fits
+            ],
+            "profile_r2_min": min(f.r2 for f in fits),
+            "profile_seconds": profile_seconds,
+            "spill_seconds": run.spill_seconds,
+            "blocks_reused": sum(status == "reused" for status in run.status.values()),
+            "train_seconds": train_seconds,
+            **self._curve_metrics(run.curve),
+            "val_acc_per_layer": [val_acc[i] for i in range(len(net.layers))],
+            "exit_candidates": [
+                {**c.as_dict(), "test_acc": acc} for c, acc in zip(candidates, exit_test_acc, strict=True)
+            ],
+            "exit_layer": chosen.layer,
+            "exit_val_acc": chosen.val_acc,
+            "compact_parameters": chosen.parameters,
+            "full_parameters": full_parameters,
+            "parameter_compression": full_parameters / chosen.parameters,
+            "compact_images_per_s": throughput(compact, shape),
+            "full_images_per_s": throughput(net, shape),
+            "device": str(ctx.torch_device),
+            "precision": self.train.precision,
+            "memory_measured_by": _measured_by(ctx.torch_device),
+            "spills": run.spill_report(),
+            "epochs": self.train.epochs,
+            "model_file": save_exit_model(ctx, call, compact, arch=self.arch, width_mult=self.width_mult,
+                                          in_shape=shape, aux=self.aux_kind, exit_layer=chosen.layer,
+                                          num_classes=images.spec.num_classes),
         }
+        metrics["exit_speedup"] = metrics["compact_images_per_s"] / metrics["full_images_per_s"]
+        self._export(ctx, name, compact, shape, images, test_split, metrics,
+                     f"the exit at layer {chosen.layer}")
+        if scratch is not None:
+            scratch.cleanup()
+        return metrics
+
+    def _export(self, ctx: RunContext, name: str, compact: nn.Module, shape: tuple[int, ...], images: Stream,
+                test_split: str, metrics: dict[str, Any], what: str) -> None:
+        """With ``export``: ``compact`` as a torch.export program in the stage's folder, with reference
+        inputs and outputs beside it; what was written goes into ``metrics``."""
+        out_dir = ctx.stage_dir(name)
+        if not self.export or out_dir is None:
+            return
+        # Exported from a CPU copy: the file is for devices, and loads on any machine.
+        compact = copy.deepcopy(compact).cpu()
+        path = export_model(compact, shape, out_dir / "exit_model.pt2")
+        # Reference inputs and outputs beside the model, so a device can check its copy computes
+        # what the toolkit's model computes; checked here once against the exported program.
+        x = next(self._eval_batches(images, test_split))[0][:32].cpu()
+        with torch.no_grad():
+            logits = compact(x)
+            diff = (load_exported(path)(x) - logits).abs().max().item()
+        block_runs.save_atomic({"x": x, "logits": logits}, out_dir / "exit_model.reference.pt")
+        metrics.update(exported_model=str(path), exported_max_abs_diff=diff,
+                       bytes_written=path.stat().st_size)
+        ctx.progress.log(f"[{name}] exported {what} to {path}")
+
+    def _run_backprop(self, ctx: RunContext, call: StageCall, images: Stream, net: layer_nets.LayerNet,
+                      fit: MemoryFit, batch: int, started: float) -> dict[str, Any]:
+        """The planner's backpropagation: the whole network end to end, reported as this stage's result
+        (``plan: backprop``, the reason), its model file the whole network (layers and classifier)."""
+        reason = self._backprop_reason(batch)
+        ctx.progress.log(f"[{call.name}] plan: {reason}")
+        metrics, _ = self._end_to_end(ctx, call.name, images, net, fit, batch, started)
+        whole = aux_heads.ExitModel(list(net.layers), net.classifier).eval()
+        parameters = count_parameters(net)
+        metrics.update({
+            "variant": self.variant,
+            "aux": self.aux_kind,
+            "plan": "backprop",
+            "plan_reason": reason,
+            "blocks": [],
+            "exit_layer": None,
+            "compact_parameters": parameters,
+            "full_parameters": parameters,
+            "parameter_compression": 1.0,
+            "model_file": save_exit_model(ctx, call, whole, arch=self.arch, width_mult=self.width_mult,
+                                          in_shape=net.in_shape, aux=self.aux_kind,
+                                          exit_layer=len(net.layers) - 1, num_classes=images.spec.num_classes,
+                                          head="classifier"),
+        })
+        self._export(ctx, call.name, whole, net.in_shape, images, metrics["test_split"], metrics,
+                     "the whole network")
+        return metrics
+
+
+class Backprop(_BudgetedTraining):
+    """The baseline: end-to-end backpropagation with the largest batch that fits the budget."""
+
+    type_name: ClassVar[str] = "backprop"
+
+    def memory_plan(self, spec: Spec, device: torch.device | None = None) -> tuple[str, dict[str, Any]]:
+        """What ``python -m pipeline memory`` shows: the whole network's line and the batch it allows."""
+        _, fit, batch = self._whole_network(spec, torch.device(device or "cpu"))
+        text = (
+            f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
+            f"R² {fit.r2:.4f}"
+            f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
+            + ("" if batch else f" (cannot run: needs {fit.bytes_at(1) / MIB:.2f} MiB at batch size 1)")
+        )
+        return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch,
+                      "measured_by": _measured_by(torch.device(device or "cpu"))}
+
+    def run(self, ctx: RunContext, inputs: dict[str, Any], call: StageCall) -> dict[str, Any]:
+        images: Stream = inputs["input"]
+        started = time.perf_counter()
+        net, fit, batch = self._whole_network(images.spec, ctx.torch_device)
+        if batch < 1:
+            raise MemoryBudgetError(
+                f"memory budget {self.memory_budget_mib:.2f} MiB is too small for backpropagation through "
+                f"{self.arch} (width {self.width_mult}): it needs {fit.bytes_at(1) / MIB:.2f} MiB at batch "
+                f"size 1 ({fit.intercept / MIB:.2f} MiB weights, gradients and optimizer state, "
+                f"{fit.slope / MIB:.2f} MiB per sample)"
+            )
+        metrics, _ = self._end_to_end(ctx, call.name, images, net, fit, batch, started)
+        return metrics
