@@ -226,11 +226,10 @@ def main() -> None:
                     "backprop": {"type": "backprop", **common},
                     "neuroflux": {"type": "neuroflux", **common},
                 }
+                if batch >= BACKPROP_FROM_BATCH:  # the planner picks backprop: what blocks cost, their exits
+                    methods["neuroflux_blocks"] = {"type": "neuroflux", "backprop_from_batch": None, **common}
                 if a == 0:
                     methods["classic_ll"] = {"type": "neuroflux", "variant": "classic_ll", **common}
-                    if batch >= BACKPROP_FROM_BATCH:  # where the planner picks backprop: what blocks cost
-                        methods["neuroflux_blocks"] = {"type": "neuroflux", "backprop_from_batch": None,
-                                                       **common}
                     if label == "bp16":  # spill storage with quantization
                         methods["neuroflux_spill8"] = {"type": "neuroflux", "spill": {"bits": 8},
                                                        "backprop_from_batch": None, **common}
