@@ -141,6 +141,21 @@ def summarize(rows: list[dict[str, Any]], first: str) -> dict[str, Any]:
                     "test_acc_minus_bp": test[chosen.layer] - bp["accuracy"] if bp["runs"] else None,
                 }
             )
+    frontier = []  # every exit's size and test accuracy against the full network's (the last exit's)
+    for r in rows:
+        if not (r["method"].startswith("neuroflux") and r["runs"] and r.get("exit_candidates")):
+            continue
+        cands = r["exit_candidates"]
+        full = cands[-1]["test_acc"]
+        points = [{"layer": c["layer"], "parameter_compression": r["full_parameters"] / c["parameters"],
+                   "test_acc": c["test_acc"], "minus_full_points": 100 * (c["test_acc"] - full)}
+                  for c in cands]
+        within = [p for p in points if p["minus_full_points"] >= -1.0]
+        frontier.append({
+            "arch": r["arch"], "budget": r["budget"], "method": r["method"], "full_test_acc": full,
+            "points": points,
+            "max_compression_within_1pt_of_full": max(p["parameter_compression"] for p in within),
+        })
     spill32, spill8 = pick(first, "bp16", "neuroflux_blocks"), pick(first, "bp16", "neuroflux_spill8")
     summary = {
         "comparisons": comparisons,
@@ -153,6 +168,9 @@ def summarize(rows: list[dict[str, Any]], first: str) -> dict[str, Any]:
         },
         "profile_r2_min": min(r["profile_r2_min"] for r in rows if r.get("profile_r2_min") is not None),
         "exits_at_other_tolerances": exits,
+        "exit_frontier": frontier,
+        "max_parameter_compression_within_1pt_of_full": max(
+            (f["max_compression_within_1pt_of_full"] for f in frontier), default=None),
         "max_parameter_compression_within_1pt_of_bp": max(
             (
                 e["parameter_compression"]

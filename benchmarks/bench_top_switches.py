@@ -55,8 +55,10 @@ def steady(times: list[float]) -> float:
     return sum(rest) / len(rest)
 
 
-def measure_cut(n: int, repeats: int, pass_seconds: float) -> dict[str, Any]:
-    """Every pass at cut ``n``, ``repeats`` times; run in a fresh process."""
+def measure_cut(n: int, repeats: int, pass_seconds: float, arch: str = "mobilenet_v2", samples: int = SAMPLES,
+                compiled: bool = True) -> dict[str, Any]:
+    """Every pass at cut ``n`` of ``arch``, ``repeats`` times (``compiled``: with the torch.compile passes);
+    run in a fresh process."""
     import torch
 
     from pipeline import threads
@@ -68,13 +70,13 @@ def measure_cut(n: int, repeats: int, pass_seconds: float) -> dict[str, Any]:
     cores = torch.get_num_threads()
     threads.install("auto")
     torch.manual_seed(0)
-    bottom, top0 = split_at(build_backbone("mobilenet_v2", 10), n)
+    bottom, top0 = split_at(build_backbone(arch, 10), n)
     with torch.inference_mode():
         shape = tuple(bottom(torch.zeros(1, 3, 224, 224)).shape[1:])
     g = torch.Generator().manual_seed(0)
-    feats = torch.randn(SAMPLES, *shape, generator=g).clamp(0, 6)
-    labels = torch.randint(0, 10, (SAMPLES,), generator=g)
-    batches = [(feats[s:s + BATCH], labels[s:s + BATCH]) for s in range(0, SAMPLES, BATCH)]
+    feats = torch.randn(samples, *shape, generator=g).clamp(0, 6)
+    labels = torch.randint(0, 10, (samples,), generator=g)
+    batches = [(feats[s:s + BATCH], labels[s:s + BATCH]) for s in range(0, samples, BATCH)]
 
     def eager(epochs: int, compiled: bool = False, bf16: bool = False) -> list[float]:
         torch.set_num_threads(cores)
@@ -106,7 +108,8 @@ def measure_cut(n: int, repeats: int, pass_seconds: float) -> dict[str, Any]:
     passes = {"eager": lambda: eager(epochs)}
     passes.update({name: (lambda s=settings: trainer(epochs, s))
                    for name, settings in TRAINER_SWITCHES.items()})
-    passes.update({name: (lambda b=bf16: eager(epochs, True, b)) for name, bf16 in COMPILED.items()})
+    if compiled:
+        passes.update({name: (lambda b=bf16: eager(epochs, True, b)) for name, bf16 in COMPILED.items()})
     runs: dict[str, list[list[float]]] = {name: [] for name in passes}
     for i in range(repeats):
         order = list(passes) if i % 2 == 0 else list(passes)[::-1]
@@ -115,7 +118,7 @@ def measure_cut(n: int, repeats: int, pass_seconds: float) -> dict[str, Any]:
         torch._dynamo.reset()  # the next repeat compiles again (from inductor's on-disk cache)
     anchor = [steady(t) for t in runs["eager"]]
     row: dict[str, Any] = {"train_last_blocks": n, "feature_shape": list(shape), "epochs_per_pass": epochs,
-                           "samples": SAMPLES, "batch": BATCH, "passes": {}}
+                           "samples": samples, "batch": BATCH, "passes": {}}
     for name, times in runs.items():
         ratios = [steady(t) / a for t, a in zip(times, anchor, strict=True)]
         row["passes"][name] = {
@@ -174,11 +177,28 @@ def headline(rows: list[dict[str, Any]]) -> str:
         f"({switch(r['best_trainer_pass'])})" for r in rows) + " (bar 0.85)"
 
 
+def command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run."""
+    parts = ["python -m benchmarks.bench_top_switches", f"--arch {args.arch}",
+             f"--cuts {' '.join(map(str, args.cuts))}", f"--samples {args.samples}",
+             f"--repeats {args.repeats}", f"--pass-seconds {args.pass_seconds}"]
+    if not args.compile:
+        parts.append("--no-compile")
+    if args.accuracy:
+        parts.append(f"--accuracy --seeds {' '.join(map(str, args.seeds))}")
+    return " ".join(parts)
+
+
 def main() -> None:
     from benchmarks._meta import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="mobilenet_v2",
+                    help="the backbone whose top trains (swin_t: a transformer)")
     ap.add_argument("--cuts", type=int, nargs="*", default=[1, 4, 7], help="none: the accuracy part only")
+    ap.add_argument("--samples", type=int, default=SAMPLES, help="feature maps per epoch")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="leave out the torch.compile passes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pass-seconds", type=float, default=2.0, help="steady seconds each pass runs at least")
     ap.add_argument("--accuracy", action="store_true", help="also the Fashion-MNIST accuracy of each switch")
@@ -189,19 +209,17 @@ def main() -> None:
     rows = []
     for n in args.cuts:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            row = pool.submit(measure_cut, n, args.repeats, args.pass_seconds).result()
+            row = pool.submit(measure_cut, n, args.repeats, args.pass_seconds, args.arch, args.samples,
+                              args.compile).result()
         rows.append(row)
         print(f"cut {n}: " + ", ".join(f"{k} {v['over_eager_median']:.2f}" for k, v in row["passes"].items()),
               flush=True)
     payload: dict[str, Any] = {
         "question": "per cut, the trained top's steady epoch time with each speed switch, over the plain "
                     "eager loop on the same tensors",
-        "command": "python -m benchmarks.bench_top_switches " + " ".join(
-            f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else
-                                          " " + (" ".join(map(str, v)) if isinstance(v, list) else str(v)))
-            for k, v in vars(args).items() if k != "results_dir" and v is not False),
+        "command": command(args),
         "settings": {**{k: v for k, v in vars(args).items() if k != "results_dir"},
-                     "arch": "mobilenet_v2", "resolution": 224, "weights": "random init",
+                     "resolution": 224, "weights": "random init",
                      "features": "randn clamped to [0, 6], in memory", "optimizer": "adamw (fused)"},
         "rows": rows,
         "headline": headline(rows) if rows else "",
@@ -210,7 +228,8 @@ def main() -> None:
     }
     if args.accuracy:
         payload["accuracy"] = accuracy(args.seeds)
-    print(f"wrote {write_result('top_switches', payload, args.results_dir)}")
+    name = "top_switches" if args.arch == "mobilenet_v2" else f"top_switches_{args.arch}"
+    print(f"wrote {write_result(name, payload, args.results_dir)}")
 
 
 if __name__ == "__main__":

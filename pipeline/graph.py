@@ -5,7 +5,7 @@ from __future__ import annotations
 import graphlib
 from typing import TYPE_CHECKING
 
-from .errors import RecipeError, did_you_mean
+from .errors import RecipeError, StageError, did_you_mean
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -18,7 +18,11 @@ class Graph:
         self.edges: dict[str, dict[str, str]] = {}  # stage -> {field: parent}
         problems = []
         for name, stage in self.stages.items():
-            refs = stage.input_refs()
+            try:
+                refs = stage.input_refs()
+            except StageError as exc:  # an input the stage's settings need but the recipe does not set
+                problems.append(f"{recipe.source}: stages.{name} ({stage.type_name}): {exc}")
+                continue
             for field, parent in refs.items():
                 where = f"{recipe.source}: stages.{name}.{field}"
                 if parent not in self.stages:

@@ -188,6 +188,9 @@ RESOLVE_ERRORS = {
     "cut deeper than the network": (QUICKSTART_FILE, "stages.features.train_last_blocks=25",
                                     r"stages\.features\.train_last_blocks: train_last_blocks=25 is outside "
                                     r"the valid range 0\.\.19"),
+    "trainer without its input": (QUICKSTART_FILE, "stages.two_stage.features=null",
+                                  r"stages\.two_stage \(finetune\): mode 'two_stage' reads from `features:`, "
+                                  r"which is not set"),
     "input of the wrong kind": (QUICKSTART_FILE, "stages.two_stage.features=target_digits",
                                 r"stages\.two_stage\.features: expected a stage producing a stream, but "
                                 r"'target_digits' \(split\) produces a dataset"),

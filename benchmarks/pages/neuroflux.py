@@ -86,11 +86,6 @@ def render(result: Result, results_dir: Path) -> Rendered:
     ]
     both = [(nf, bp) for nf, bp in pairs if bp is not None and bp.get("runs")]
     speedups = [bp["train_seconds"] / nf["train_seconds"] for nf, bp in both]
-    to_target = [
-        bp["time_to_target_s"] / nf["time_to_target_s"]
-        for nf, bp in both
-        if nf.get("time_to_target_s") and bp.get("time_to_target_s")
-    ]
     gaps = [nf["accuracy"] - bp["accuracy"] for nf, bp in both]
     comparable = [
         (r, find(r["arch"], r["budget"], "backprop"))
@@ -126,6 +121,20 @@ def render(result: Result, results_dir: Path) -> Rendered:
         Check("exit_10x_fewer_parameters_within_1pt_of_bp", max(compression_ok, default=0) >= 10, "target"),
     ]
     summary = data.get("summary", {})
+    frontier = summary.get("exit_frontier") or []
+    if frontier:
+        best_full = summary.get("max_parameter_compression_within_1pt_of_full") or 0
+        checks.append(Check("exit_10x_fewer_parameters_within_1pt_of_the_full_network", best_full >= 10,
+                            "target"))
+        body += ["", "Every exit's size and test accuracy against the full network's (its last exit):", ""]
+        body += table(
+            ["model", "budget", "method", "full network test acc", "fewer parameters: test acc − full (pt)",
+             "most fewer within 1 pt"],
+            [[cell(f["arch"]), cell(f["budget"]), cell(f["method"]), acc(f["full_test_acc"]),
+              ", ".join(f"{p['parameter_compression']:.1f}×: {p['minus_full_points']:+.1f}"
+                        for p in f["points"]),
+              times(f["max_compression_within_1pt_of_full"])] for f in frontier],
+        )
     r2 = summary.get("profile_r2_min")
     body += ["", f"Profiler fit: lowest R² over every layer of every run {num(r2)}."]
     if exits:
@@ -185,10 +194,18 @@ def render(result: Result, results_dir: Path) -> Rendered:
         fig.tight_layout()
         figures.append(("time_to_accuracy", "Validation accuracy over training time at each budget", fig))
     parts = []
-    if speedups:
-        parts.append(f"training {span(speedups, times)} faster than backprop at the same budget")
-    if to_target:
-        parts.append(f"time to target {span(to_target, times)} shorter")
+    planned_bp = [nf for nf, _ in both if nf.get("plan") == "backprop"]
+    block_speedups = [bp["train_seconds"] / nf["train_seconds"] for nf, bp in both
+                      if nf.get("plan", "blocks") == "blocks"]
+    if planned_bp:
+        parts.append(f"the planner trains by backprop at {len(planned_bp)} of {len(both)} budgets")
+    if block_speedups:
+        parts.append(f"training in blocks {span(block_speedups, times)} faster than backprop, equal budgets")
+    block_to_target = [bp["time_to_target_s"] / nf["time_to_target_s"] for nf, bp in both
+                       if nf.get("plan", "blocks") == "blocks" and nf.get("time_to_target_s")
+                       and bp.get("time_to_target_s")]
+    if block_to_target:
+        parts.append(f"time to target {span(block_to_target, times)} shorter")
     if gaps:
         parts.append(
             f"test accuracy {span([100 * g for g in gaps], lambda x: f'{x:+.1f}')} points vs backprop"

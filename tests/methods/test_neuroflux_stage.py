@@ -267,6 +267,11 @@ def test_backprop_below_batch_one_says_what_it_needs(tmp_path: Path) -> None:
         run_in_process(tmp_path, recipe)
 
 
+def test_a_memory_format_local_learning_does_not_apply_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(StageError, match="train.memory_format: channels_last is not applied by NeuroFlux"):
+        run_in_process(tmp_path, recipe_dict(train={"epochs": 1, "memory_format": "channels_last"}))
+
+
 def test_unknown_model_family_names_the_supported_ones(tmp_path: Path) -> None:
     with pytest.raises(StageError, match=r"vgg11.*vgg16.*vgg19.*resnet18"):
         run_in_process(tmp_path, recipe_dict(arch="mobilenet_v2"))

@@ -165,6 +165,9 @@ class _BudgetedTraining(Stage):
 
     def resolve(self, inputs: StageInputs, ctx: RunContext) -> Spec:
         self._net(inputs["input"])  # unknown family, too-small images: fail before any work
+        if self.type_name == "neuroflux" and self.train.memory_format != "contiguous":
+            raise StageError(f"train.memory_format: {self.train.memory_format} is not applied by NeuroFlux's "
+                             "layer-wise local learning; remove it here (the backprop stage takes it)")
         check_precision(self.train.precision, ctx.torch_device)
         eager_only = "NeuroFlux's local learning steps run eagerly" if self.type_name == "neuroflux" else None
         check_cuda_graph(self.train.cuda_graph, ctx.torch_device, self.train.precision, self.train.optimizer,
