@@ -39,6 +39,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_cache_reuse import steady
+
 BATCH = 32
 SAMPLES = 256
 TRAINER_SWITCHES = {  # pass name -> train settings (TrainConfig fields)
@@ -48,11 +50,6 @@ TRAINER_SWITCHES = {  # pass name -> train settings (TrainConfig fields)
     "trainer_bf16_channels_last": {"precision": "bf16", "memory_format": "channels_last"},
 }
 COMPILED = {"eager_compiled": False, "eager_compiled_bf16": True}  # pass name -> bf16 autocast
-
-
-def steady(times: list[float]) -> float:
-    rest = times[1:] or times
-    return sum(rest) / len(rest)
 
 
 def measure_cut(n: int, repeats: int, pass_seconds: float, arch: str = "mobilenet_v2", samples: int = SAMPLES,

@@ -206,9 +206,9 @@ class _BudgetedTraining(Stage):
         return net, fit, fit.max_batch(self.budget_bytes, self.batch_cap)
 
     def _end_to_end(self, ctx: RunContext, name: str, images: Stream, net: layer_nets.LayerNet,
-                    fit: MemoryFit, batch: int, started: float) -> tuple[dict[str, Any], float]:
-        """Backpropagation through ``net`` at ``batch``, the best epoch's weights loaded back:
-        (metrics, seconds since ``started``)."""
+                    fit: MemoryFit, batch: int, started: float) -> dict[str, Any]:
+        """Backpropagation through ``net`` at ``batch``, the best epoch's weights loaded back; its metrics
+        (``train_seconds`` counted from ``started``)."""
         ctx.progress.log(f"[{name}] backprop at batch {batch} under {self.memory_budget_mib:.2f} MiB")
         curve: list[tuple[float, float]] = []
 
@@ -268,7 +268,12 @@ class _BudgetedTraining(Stage):
             "device": str(ctx.torch_device),
             "precision": self.train.precision,
             "memory_measured_by": _measured_by(ctx.torch_device),
-        }, train_seconds
+        }
+
+    @staticmethod
+    def _whole_network_line(fit: MemoryFit) -> str:
+        return (f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
+                f"R² {fit.r2:.4f}")
 
     def _profile(
         self, name: str, module: nn.Module, shape: tuple[int, ...], num_classes: int, device: torch.device
@@ -366,9 +371,7 @@ class NeuroFlux(_BudgetedTraining):
         planned = self.backprop_plan(spec, torch.device(device or "cpu"))
         if planned is not None:
             _, fit, batch = planned
-            return (f"  plan: backprop: {self._backprop_reason(batch)}\n"
-                    f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
-                    f"R² {fit.r2:.4f}"), {
+            return f"  plan: backprop: {self._backprop_reason(batch)}\n{self._whole_network_line(fit)}", {
                 "budget_mib": self.memory_budget_mib, "plan": "backprop", "fit": fit.as_dict(),
                 "batch_size": batch, "measured_by": _measured_by(device)}
         net, _, _, fits = self.profile_layers(spec, device)
@@ -549,7 +552,7 @@ class NeuroFlux(_BudgetedTraining):
         (``plan: backprop``, the reason), its model file the whole network (layers and classifier)."""
         reason = self._backprop_reason(batch)
         ctx.progress.log(f"[{call.name}] plan: {reason}")
-        metrics, _ = self._end_to_end(ctx, call.name, images, net, fit, batch, started)
+        metrics = self._end_to_end(ctx, call.name, images, net, fit, batch, started)
         whole = aux_heads.ExitModel(list(net.layers), net.classifier).eval()
         parameters = count_parameters(net)
         metrics.update({
@@ -581,9 +584,8 @@ class Backprop(_BudgetedTraining):
         """What ``python -m pipeline memory`` shows: the whole network's line and the batch it allows."""
         _, fit, batch = self._whole_network(spec, torch.device(device or "cpu"))
         text = (
-            f"  whole network {fit.slope / MIB:.3f} MiB/sample {fit.intercept / MIB:.2f} MiB static  "
-            f"R² {fit.r2:.4f}"
-            f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
+            self._whole_network_line(fit)
+            + f"\n  batch {batch} under {self.memory_budget_mib:.2f} MiB"
             + ("" if batch else f" (cannot run: needs {fit.bytes_at(1) / MIB:.2f} MiB at batch size 1)")
         )
         return text, {"budget_mib": self.memory_budget_mib, "fit": fit.as_dict(), "batch_size": batch,
@@ -600,5 +602,4 @@ class Backprop(_BudgetedTraining):
                 f"size 1 ({fit.intercept / MIB:.2f} MiB weights, gradients and optimizer state, "
                 f"{fit.slope / MIB:.2f} MiB per sample)"
             )
-        metrics, _ = self._end_to_end(ctx, call.name, images, net, fit, batch, started)
-        return metrics
+        return self._end_to_end(ctx, call.name, images, net, fit, batch, started)
