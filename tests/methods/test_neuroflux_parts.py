@@ -8,10 +8,12 @@ import torch
 from pipeline.methods.neuroflux.aux import ExitModel, LocalLayer, aux_filters, build_aux_heads
 from pipeline.methods.neuroflux.exit import (
     ExitCandidate,
+    FinetunedExit,
     choose_exit,
     count_parameters,
     export_model,
     load_exported,
+    search_exit,
 )
 from pipeline.methods.neuroflux.local import BlockState, evaluate_heads, train_block
 from pipeline.methods.neuroflux.models import build_layer_net
@@ -163,6 +165,46 @@ def test_exit_rule_prefers_the_smaller_model_among_near_ties() -> None:
     assert choose_exit(cands, tolerance=0.0).layer == 5
     assert choose_exit(cands, rule="best").layer == 5
     assert choose_exit(cands, tolerance=0.2).layer == 0
+
+
+def test_near_full_rule_holds_exits_to_the_last_layer_not_the_luckiest_one() -> None:
+    # Layer 5's validation accuracy is above the full model's (the last layer's) by chance.
+    cands = [ExitCandidate(1, 0.85, 10), ExitCandidate(2, 0.862, 60), ExitCandidate(5, 0.885, 400),
+             ExitCandidate(7, 0.870, 650)]
+    assert choose_exit(cands, tolerance=0.01).layer == 5
+    assert choose_exit(cands, rule="fewest_parameters_near_full", tolerance=0.01).layer == 2
+    with pytest.raises(ValueError, match="unknown exit rule 'smallest'.*fewest_parameters_near_full"):
+        choose_exit(cands, rule="smallest")  # type: ignore[arg-type]
+
+
+def _finetuner(gains: dict[int, float], tried: list[int]):
+    def finetune(c: ExitCandidate) -> FinetunedExit:
+        tried.append(c.layer)
+        return FinetunedExit(c.layer, c.val_acc, c.val_acc + gains.get(c.layer, 0.0), 32, 1.0)
+
+    return finetune
+
+
+def test_exit_search_fine_tunes_smallest_first_and_stops_at_the_first_within_the_tolerance() -> None:
+    cands = [ExitCandidate(0, 0.70, 5), ExitCandidate(1, 0.845, 10), ExitCandidate(2, 0.862, 60),
+             ExitCandidate(3, 0.872, 100), ExitCandidate(7, 0.875, 650)]
+    tried: list[int] = []
+    # Layer 0 is beyond the reach (0.875 - 0.01 - 0.03): never fine-tuned. Layer 1 gains too little,
+    # layer 2 enough: the search stops there, before the untouched rule's choice (layer 3).
+    chosen, tries = search_exit(cands, _finetuner({1: 0.01, 2: 0.006}, tried),
+                                rule="fewest_parameters_near_full", tolerance=0.01)
+    assert tried == [1, 2]
+    assert chosen == ExitCandidate(2, 0.868, 60)
+    assert [t.accepted for t in tries] == [False, True]
+    # Nothing smaller reaches it: the untouched choice ends the search, fine-tuned too.
+    tried.clear()
+    chosen, tries = search_exit(cands, _finetuner({}, tried), rule="fewest_parameters_near_full",
+                                tolerance=0.01)
+    assert tried == [1, 2, 3] and chosen.layer == 3 and tries[-1].accepted
+    # The best rule fine-tunes its own choice only.
+    tried.clear()
+    chosen, _ = search_exit(cands, _finetuner({7: 0.002}, tried), rule="best")
+    assert tried == [7] and chosen.val_acc == pytest.approx(0.877)
 
 
 def test_exported_model_matches_the_toolkit_model(tmp_path) -> None:

@@ -164,6 +164,33 @@ def test_neuroflux_trains_blocks_from_spills_exports_and_reuses(tmp_path: Path) 
     assert looser["compact_parameters"] <= metrics["compact_parameters"]
 
 
+def test_exit_fine_tuning_reuses_the_blocks_and_exports_the_tuned_exit(tmp_path: Path) -> None:
+    plain = run_in_process(tmp_path, recipe_dict(exit_tolerance=0.02))
+    settings = {"exit_tolerance": 0.02, "exit_finetune_epochs": 2}
+    tuned = run_in_process(tmp_path, recipe_dict(**settings))
+    assert tuned["blocks_reused"] == 3  # an exit setting: no block retrains
+    assert tuned["val_acc_per_layer"] == plain["val_acc_per_layer"]
+    tries = tuned["exit_finetune"]
+    assert tries and tries[-1]["layer"] == tuned["exit_layer"] and tries[-1]["accepted"]
+    assert not any(t["accepted"] for t in tries[:-1])
+    sizes = {c["layer"]: c["parameters"] for c in tuned["exit_candidates"]}
+    assert [sizes[t["layer"]] for t in tries] == sorted(sizes[t["layer"]] for t in tries)
+    assert all(t["val_acc"] >= t["val_acc_before"] and t["batch_size"] >= 2 for t in tries)
+    # Here a smaller exit than the untouched rule's reaches the tolerance once fine-tuned (it never picks a
+    # larger one); the tuned exit is what was tested and exported.
+    assert tuned["compact_parameters"] < plain["compact_parameters"]
+    assert tuned["accuracy"] == pytest.approx(tries[-1]["test_acc"])
+    assert tuned["exported_max_abs_diff"] <= 1e-5
+    # Fine-tuning is as deterministic as training: the same exit, the same test accuracy.
+    again = run_in_process(tmp_path, recipe_dict(**settings))
+
+    def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert untimed(again["exit_finetune"]) == untimed(tries)
+    assert again["accuracy"] == tuned["accuracy"]
+
+
 def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
     run_in_process(tmp_path, recipe_dict(keep_spills=True, train={"epochs": 1}))
     kinds = sorted(e.kind for e in Catalog(tmp_path / "store").entries())

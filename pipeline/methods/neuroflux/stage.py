@@ -48,10 +48,12 @@ from .archs import ARCHS
 from .exit import (
     ExitCandidate,
     ExitRule,
+    FinetunedExit,
     choose_exit,
     count_parameters,
     export_model,
     load_exported,
+    search_exit,
     throughput,
 )
 from .partition import Block, MemoryBudgetError, block_bytes, block_max_batch, partition
@@ -76,7 +78,8 @@ else:
     layer_nets = lazy_module("pipeline.methods.neuroflux.models")
 
 # Settings that only choose, report or export the exit: they never change a trained block.
-EXIT_SETTINGS = frozenset({"exit_rule", "exit_tolerance", "export", "target_accuracy"})
+EXIT_SETTINGS = frozenset(
+    {"exit_rule", "exit_tolerance", "exit_finetune_epochs", "export", "target_accuracy"})
 MIB = 2**20
 
 
@@ -307,10 +310,17 @@ class NeuroFlux(_BudgetedTraining):
     rho: float = Field(0.4, ge=0, lt=1, description="Algorithm 1: max relative batch-size spread in a block")
     spill: SpillConfig = SpillConfig()
     keep_spills: bool = Field(False, description="keep every spill (default: drop one once the next exists)")
-    exit_rule: ExitRule = "fewest_parameters_within"
+    exit_rule: ExitRule = Field(
+        "fewest_parameters_within", description="the exit: fewest parameters within exit_tolerance of the "
+        "best exit's validation accuracy (fewest_parameters_within) or of the full model's, the last layer's "
+        "(fewest_parameters_near_full), or the best exit (best)")
     exit_tolerance: float = Field(
-        0.005, ge=0, le=1, description="near tie: validation accuracy within this of the best exit"
+        0.005, ge=0, le=1, description="near tie: validation accuracy within this of the rule's reference"
     )
+    exit_finetune_epochs: int = Field(
+        0, ge=0, description="fine-tune exits end to end (prefix and head, under the memory budget, at "
+        "train's settings) for this many epochs before comparing them, smallest first, stopping at the first "
+        "within exit_tolerance: smaller exits at the same accuracy (benchmarks/README.md). 0: as trained")
     export: bool = Field(True, description="write the compact model to the run's output directory")
     backprop_from_batch: int | None = Field(
         16, ge=1, description="variant neuroflux: where backpropagation through the whole network fits the "
@@ -459,8 +469,19 @@ class NeuroFlux(_BudgetedTraining):
             )
             for i in range(len(net.layers))
         ]
-        chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
-        compact = aux_heads.ExitModel(list(net.layers[: chosen.layer + 1]), heads[chosen.layer]).eval()
+        exit_started = time.perf_counter()
+        tuned: dict[int, nn.Module] = {}
+        tries: list[FinetunedExit] = []
+        if self.exit_finetune_epochs:
+            finetune = self._exit_finetuner(ctx, name, net, heads, images, tuned)
+            chosen, tries = search_exit(candidates, finetune, rule=self.exit_rule,
+                                        tolerance=self.exit_tolerance)
+        else:
+            chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
+        compact = tuned.get(chosen.layer) or aux_heads.ExitModel(
+            list(net.layers[: chosen.layer + 1]), heads[chosen.layer])
+        compact.eval()
+        exit_seconds = time.perf_counter() - exit_started
         test_split = self._test_split(images)
         _, test_acc, test_n = evaluate(compact, self._eval_batches(images, test_split),
                                        precision=self.train.precision)
@@ -504,6 +525,12 @@ class NeuroFlux(_BudgetedTraining):
             ],
             "exit_layer": chosen.layer,
             "exit_val_acc": chosen.val_acc,
+            "exit_seconds": exit_seconds,
+            "exit_finetune": [
+                {**t.as_dict(), "test_acc": exit_test_acc[t.layer] if t.layer not in tuned
+                 else evaluate(tuned[t.layer], self._eval_batches(images, test_split))[1]}
+                for t in tries
+            ],
             "compact_parameters": chosen.parameters,
             "full_parameters": full_parameters,
             "parameter_compression": full_parameters / chosen.parameters,
@@ -524,6 +551,46 @@ class NeuroFlux(_BudgetedTraining):
         if scratch is not None:
             scratch.cleanup()
         return metrics
+
+    def _exit_finetuner(
+        self, ctx: RunContext, name: str, net: layer_nets.LayerNet, heads: nn.ModuleList, images: Stream,
+        tuned: dict[int, nn.Module],
+    ) -> Callable[[ExitCandidate], FinetunedExit]:
+        """What :func:`search_exit` calls on a candidate: a copy of the exit (its layers and head) trained end
+        to end for ``exit_finetune_epochs`` at the largest batch its memory line fits under the budget, at
+        ``train``'s settings, its best validation epoch kept where it beats the exit as trained (then put in
+        ``tuned``; the network itself is never changed)."""
+        device = net_device(net)
+        n_train = images.spec.splits["train"].num_samples
+        cfg = self.train.model_copy(update={"epochs": self.exit_finetune_epochs, "warmup_epochs": 0})
+
+        def finetune(c: ExitCandidate) -> FinetunedExit:
+            started = time.perf_counter()
+            model = aux_heads.ExitModel(copy.deepcopy(list(net.layers[: c.layer + 1])),
+                                        copy.deepcopy(heads[c.layer]))
+            label = f"the exit at layer {c.layer}"
+            fit = self._profile(label, model, net.in_shape, images.spec.num_classes, device)
+            batch = fit.max_batch(self.budget_bytes, self.batch_cap)
+            before = evaluate(model, self._eval_batches(images), precision=self.train.precision)[1]
+            if batch < 2:  # batch norm needs two samples; an exit that cannot train here stays as trained
+                ctx.progress.log(f"[{name}] {label}: not fine-tuned (no batch of 2 or more fits "
+                                 f"{self.memory_budget_mib:.2f} MiB end to end)")
+                return FinetunedExit(c.layer, before, before, None, time.perf_counter() - started)
+            with tempfile.TemporaryDirectory(prefix=f"{name}-exit-") as checkpoints:
+                result = train(model, model.parameters(), self._train_batches(images, batch),
+                               lambda: self._eval_batches(images), cfg, checkpoint_dir=Path(checkpoints),
+                               steps_per_epoch=-(-n_train // batch), bars=ctx.progress,
+                               label=f"{name}: exit {c.layer}", batch_size=batch,
+                               batch_setting=f"stages.{name}.memory_budget_mib or stages.{name}.batch_cap")
+                after = result.best_val_acc if result.best_val_acc is not None else before
+                if after > before:
+                    model.load_state_dict(load_weights(Path(checkpoints) / "best.pt")[0])
+                    tuned[c.layer] = model
+            ctx.progress.log(f"[{name}] {label} fine-tuned at batch {batch}: val acc {before:.3f} -> "
+                             f"{max(after, before):.3f}")
+            return FinetunedExit(c.layer, before, max(after, before), batch, time.perf_counter() - started)
+
+        return finetune
 
     def _export(self, ctx: RunContext, name: str, compact: nn.Module, shape: tuple[int, ...], images: Stream,
                 test_split: str, metrics: dict[str, Any], what: str) -> None:
