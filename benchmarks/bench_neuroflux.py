@@ -156,10 +156,23 @@ def summarize(rows: list[dict[str, Any]], first: str) -> dict[str, Any]:
                    "parameter_compression": r["full_parameters"] / c["parameters"],
                    "test_acc": c["test_acc"], "minus_full_points": 100 * (c["test_acc"] - full)}
                   for c in cands]
-        within = [p for p in points if p["minus_full_points"] >= -1.0]
+        # The exits fine-tuned by the stage's search (exit_finetune_epochs), smallest first; the exit last.
+        tuned = [{"layer": t["layer"], "fewer_than_full": full_parameters / cands[t["layer"]]["parameters"],
+                  "parameter_compression": r["full_parameters"] / cands[t["layer"]]["parameters"],
+                  "val_acc_before": t["val_acc_before"], "val_acc": t["val_acc"], "test_acc": t["test_acc"],
+                  "minus_full_points": 100 * (t["test_acc"] - full), "accepted": t["accepted"],
+                  "batch_size": t["batch_size"], "seconds": t["seconds"]}
+                 for t in r.get("exit_finetune", [])]
+        within = [p for p in points + tuned if p["minus_full_points"] >= -1.0]
+        exit_point = {"layer": r["exit_layer"], "finetuned": bool(tuned),
+                      "fewer_than_full": full_parameters / r["compact_parameters"],
+                      "test_acc": r["accuracy"], "minus_full_points": 100 * (r["accuracy"] - full),
+                      "search_seconds": r.get("exit_seconds")}
+        exit_point["10x_within_1pt"] = (exit_point["fewer_than_full"] >= 10
+                                        and exit_point["minus_full_points"] >= -1)
         frontier.append({
             "arch": r["arch"], "budget": r["budget"], "method": r["method"], "full_test_acc": full,
-            "full_parameters": full_parameters, "points": points,
+            "full_parameters": full_parameters, "points": points, "finetuned": tuned, "exit": exit_point,
             "max_fewer_within_1pt_of_full": max(p["fewer_than_full"] for p in within),
             "max_compression_within_1pt_of_full": max(p["parameter_compression"] for p in within),
         })
@@ -182,6 +195,9 @@ def summarize(rows: list[dict[str, Any]], first: str) -> dict[str, Any]:
             (f["max_fewer_within_1pt_of_full"] for f in frontier), default=None),
         "runs_with_10x_fewer_within_1pt_of_the_full_model": sum(
             f["max_fewer_within_1pt_of_full"] >= 10 for f in frontier),
+        # What the stage's own exit rule picked (from validation data alone), against the full model on test.
+        "exits_10x_fewer_within_1pt_of_the_full_model": sum(f["exit"]["10x_within_1pt"] for f in frontier),
+        "exit_runs": len(frontier),
         "max_parameter_compression_within_1pt_of_bp": max(
             (
                 e["parameter_compression"]
@@ -207,6 +223,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="check the code path in minutes: vgg11 at bp16, 1 epoch, 20 images per class, "
                     "written to /tmp unless --output-dir is given")
+    ap.add_argument("--val-fraction", type=float, help="of the official train split (default: the recipe's)")
     ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results")
     ap.add_argument(
         "--resummarize",
@@ -231,6 +248,10 @@ def main() -> None:
     if args.quick:  # 400 images of the official test split are enough to see the path run
         base["stages"]["data"].update(use_official_test=False, test_fraction=0.2)
     train = {**base["stages"]["neuroflux"]["train"], "epochs": args.epochs}
+    # How the recipe picks and fine-tunes the exit (its neuroflux stage), for every local-learning method.
+    exit_settings = {k: v for k, v in base["stages"]["neuroflux"].items() if k.startswith("exit_")}
+    if args.val_fraction is not None:
+        base["stages"]["data"]["val_fraction"] = args.val_fraction
     rows: list[dict[str, Any]] = []
     profiles = {}
     with tempfile.TemporaryDirectory(prefix="bench-neuroflux-") as tmp:
@@ -251,17 +272,18 @@ def main() -> None:
                     "train": train,
                     "target_accuracy": args.target,
                 }
+                local = {"type": "neuroflux", **exit_settings, **common}
                 methods = {
                     "backprop": {"type": "backprop", **common},
-                    "neuroflux": {"type": "neuroflux", **common},
+                    "neuroflux": local,
                 }
                 if batch >= BACKPROP_FROM_BATCH:  # the planner picks backprop: what blocks cost, their exits
-                    methods["neuroflux_blocks"] = {"type": "neuroflux", "backprop_from_batch": None, **common}
+                    methods["neuroflux_blocks"] = {**local, "backprop_from_batch": None}
                 if a == 0:
-                    methods["classic_ll"] = {"type": "neuroflux", "variant": "classic_ll", **common}
+                    methods["classic_ll"] = {**local, "variant": "classic_ll"}
                     if label == "bp16":  # spill storage with quantization
-                        methods["neuroflux_spill8"] = {"type": "neuroflux", "spill": {"bits": 8},
-                                                       "backprop_from_batch": None, **common}
+                        methods["neuroflux_spill8"] = {**local, "spill": {"bits": 8},
+                                                       "backprop_from_batch": None}
                 for method, stage in methods.items():
                     result = run_stage(base, store, method, stage, device)
                     result.update(arch=arch, budget=label, budget_mib=mib, method=method)

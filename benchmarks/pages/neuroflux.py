@@ -126,15 +126,31 @@ def render(result: Result, results_dir: Path) -> Rendered:
         best_full = summary.get("max_fewer_parameters_than_the_full_model_within_1pt") or 0
         checks.append(Check("exit_10x_fewer_parameters_within_1pt_of_the_full_model", best_full >= 10,
                             "target"))
+        if "exit" in frontier[0]:
+            checks.append(Check("exit_rule_picks_10x_fewer_within_1pt_of_the_full_model_in_every_run",
+                                summary.get("exits_10x_fewer_within_1pt_of_the_full_model")
+                                == summary.get("exit_runs"), "target"))
         body += ["", "Every exit against the full model as NeuroFlux trains it (every layer and the last "
                  "layer's head): how many times fewer parameters, and the difference in test accuracy "
-                 "(points):", ""]
+                 "(points); then the exits the stage's search fine-tuned (`exit_finetune_epochs`, smallest "
+                 "first) and the exit its rule picked from validation data:", ""]
+
+        def points(ps: list[dict[str, Any]]) -> str:
+            shown = ", ".join(f"{p['fewer_than_full']:.1f}×: {p['minus_full_points']:+.1f}" for p in ps)
+            return shown or DASH
+
+        def chosen(e: dict[str, Any] | None) -> str:
+            if e is None:
+                return DASH
+            return (f"layer {e['layer']}, {e['fewer_than_full']:.1f}×: {e['minus_full_points']:+.1f}"
+                    + (f" ({e['search_seconds']:.1f} s)" if e.get("finetuned") else ""))
+
         body += table(
-            ["model", "budget", "method", "full model: parameters, test acc", "exits (fewer: pt)",
-             "most fewer within 1 pt"],
+            ["model", "budget", "method", "full model: parameters, test acc", "exits as trained (fewer: pt)",
+             "fine-tuned", "the rule's exit", "most fewer within 1 pt"],
             [[cell(f["arch"]), cell(f["budget"]), cell(f["method"]),
-              f"{f['full_parameters']:,}, {acc(f['full_test_acc'])}",
-              ", ".join(f"{p['fewer_than_full']:.1f}×: {p['minus_full_points']:+.1f}" for p in f["points"]),
+              f"{f['full_parameters']:,}, {acc(f['full_test_acc'])}", points(f["points"]),
+              points(f.get("finetuned", [])), chosen(f.get("exit")),
               times(f["max_fewer_within_1pt_of_full"])] for f in frontier],
         )
     r2 = summary.get("profile_r2_min")
