@@ -18,7 +18,8 @@ are compared at equal GPU memory budgets; the result goes to ``neuroflux_cuda.js
 Training time includes profiling, spill writes and per-epoch validation for every method.
 
 Usage: python -m benchmarks.bench_neuroflux [--archs vgg11 vgg16 resnet18] [--epochs 4] [--per-class 500]
-       [--device cuda] [--quick]   (--quick: a few minutes' check of the code path, written under /tmp)
+       [--device cuda] [--val-fraction F] [--quick]   (--quick: a few minutes' check of the code path, written
+       under /tmp)
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="check the code path in minutes: vgg11 at bp16, 1 epoch, 20 images per class, "
                     "written to /tmp unless --output-dir is given")
-    ap.add_argument("--val-fraction", type=float, help="of the official train split (default: the recipe's)")
+    ap.add_argument("--val-fraction", type=float, help="of the official train split (default: the recipe's); "
+                    "the result is written as neuroflux_valPERCENT.json beside the recipe's")
     ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results")
     ap.add_argument(
         "--resummarize",
@@ -304,8 +306,9 @@ def main() -> None:
 
     summary = summarize(rows, args.archs[0])
     print(yaml.safe_dump(summary, sort_keys=False))
+    name = "neuroflux" if args.val_fraction is None else f"neuroflux_val{round(100 * args.val_fraction)}"
     path = write_result(
-        result_name("neuroflux", device),
+        result_name(name, device),
         {
             "question": "NeuroFlux vs backprop vs classic local learning at equal training-memory budgets: "
             "time, time to target, accuracy, early-exit compression, spill size, profiler fit",

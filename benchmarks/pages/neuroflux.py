@@ -22,7 +22,8 @@ from .common import (
     times,
 )
 
-RESULTS = ("neuroflux", "neuroflux_cuda")
+# neuroflux_val10: the same run with a validation split five times the recipe's (--val-fraction 0.1)
+RESULTS = ("neuroflux", "neuroflux_cuda", "neuroflux_val10")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {"neuroflux": "python -m benchmarks.bench_neuroflux --device cuda --threads 16"}
 

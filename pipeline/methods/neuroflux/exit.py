@@ -75,8 +75,9 @@ def reference_accuracy(candidates: Sequence[ExitCandidate], rule: ExitRule) -> f
 
 
 # How far below the reference (beyond the tolerance) an exit may start and still be fine-tuned: fine-tuning an
-# exit end to end raised its validation accuracy by at most about 2.5 points where it was measured
-# (benchmarks/README.md), so an exit further below cannot reach the tolerance and is not worth its time.
+# exit end to end raised its validation accuracy by up to about 3 points where it was measured
+# (benchmarks/README.md, NeuroFlux), so an exit further below is unlikely to reach the tolerance and not
+# worth the epochs its try costs.
 FINETUNE_REACH = 0.03
 
 
