@@ -478,7 +478,7 @@ class NeuroFlux(_BudgetedTraining):
                                         tolerance=self.exit_tolerance)
         else:
             chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
-        compact = tuned.get(chosen.layer) or aux_heads.ExitModel(
+        compact = tuned[chosen.layer] if chosen.layer in tuned else aux_heads.ExitModel(
             list(net.layers[: chosen.layer + 1]), heads[chosen.layer])
         compact.eval()
         exit_seconds = time.perf_counter() - exit_started
