@@ -191,6 +191,18 @@ def test_exit_fine_tuning_reuses_the_blocks_and_exports_the_tuned_exit(tmp_path:
     assert again["accuracy"] == tuned["accuracy"]
 
 
+def test_an_exit_whose_layers_do_not_fit_the_budget_end_to_end_stays_as_trained(tmp_path: Path) -> None:
+    # At 2 MiB the layers train in six blocks; the best exit (layer 6) spans five of them, whose weights and
+    # optimizer states together exceed the budget: it cannot be fine-tuned, and is used as trained.
+    metrics = run_in_process(tmp_path, recipe_dict(memory_budget_mib=2, train={"epochs": 1}, exit_rule="best",
+                                                    exit_finetune_epochs=1))
+    assert len(metrics["blocks"]) == 6
+    (tried,) = metrics["exit_finetune"]
+    assert tried["layer"] == metrics["exit_layer"] == 6
+    assert tried["batch_size"] is None and tried["val_acc"] == tried["val_acc_before"] and tried["accepted"]
+    assert metrics["accuracy"] == metrics["exit_candidates"][6]["test_acc"]
+
+
 def test_keep_spills_keeps_them_as_store_entries(tmp_path: Path) -> None:
     run_in_process(tmp_path, recipe_dict(keep_spills=True, train={"epochs": 1}))
     kinds = sorted(e.kind for e in Catalog(tmp_path / "store").entries())
