@@ -528,7 +528,8 @@ class NeuroFlux(_BudgetedTraining):
             "exit_seconds": exit_seconds,
             "exit_finetune": [
                 {**t.as_dict(), "test_acc": exit_test_acc[t.layer] if t.layer not in tuned
-                 else evaluate(tuned[t.layer], self._eval_batches(images, test_split))[1]}
+                 else evaluate(tuned[t.layer], self._eval_batches(images, test_split),
+                               precision=self.train.precision)[1]}
                 for t in tries
             ],
             "compact_parameters": chosen.parameters,
