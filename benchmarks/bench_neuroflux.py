@@ -18,8 +18,9 @@ are compared at equal GPU memory budgets; the result goes to ``neuroflux_cuda.js
 Training time includes profiling, spill writes and per-epoch validation for every method.
 
 Usage: python -m benchmarks.bench_neuroflux [--archs vgg11 vgg16 resnet18] [--epochs 4] [--per-class 500]
-       [--device cuda] [--val-fraction F] [--quick]   (--quick: a few minutes' check of the code path, written
-       under /tmp)
+       [--device cuda] [--val-fraction F] [--seed N] [--quick]   (--quick: a few minutes' check of the code
+       path, written under /tmp; --seed: another draw of the split, the weights and the order, written as
+       neuroflux_seedN.json, so the exits' spread over seeds can be read beside the recipe's seed)
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ def main() -> None:
                     "written to /tmp unless --output-dir is given")
     ap.add_argument("--val-fraction", type=float, help="of the official train split (default: the recipe's); "
                     "the result is written as neuroflux_valPERCENT.json beside the recipe's")
+    ap.add_argument("--seed", type=int, help="the recipe's seed (default: its own, 0): the split, the "
+                    "initial weights and the batch order; another seed is written as neuroflux_seedN.json")
     ap.add_argument("--output-dir", type=Path, help="write the result here instead of benchmarks/results")
     ap.add_argument(
         "--resummarize",
@@ -254,6 +257,8 @@ def main() -> None:
     exit_settings = {k: v for k, v in base["stages"]["neuroflux"].items() if k.startswith("exit_")}
     if args.val_fraction is not None:
         base["stages"]["data"]["val_fraction"] = args.val_fraction
+    if args.seed is not None:
+        base["seed"] = args.seed
     rows: list[dict[str, Any]] = []
     profiles = {}
     with tempfile.TemporaryDirectory(prefix="bench-neuroflux-") as tmp:
@@ -307,6 +312,8 @@ def main() -> None:
     summary = summarize(rows, args.archs[0])
     print(yaml.safe_dump(summary, sort_keys=False))
     name = "neuroflux" if args.val_fraction is None else f"neuroflux_val{round(100 * args.val_fraction)}"
+    if args.seed is not None and args.seed != yaml.safe_load(RECIPE.read_text()).get("seed", 0):
+        name += f"_seed{args.seed}"
     path = write_result(
         result_name(name, device),
         {
@@ -319,8 +326,10 @@ def main() -> None:
                 **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "recipe": str(RECIPE.relative_to(RECIPE.parents[2])),
                 "budgets": {k: f"{s} x backprop's memory at batch {b}" for k, (s, b) in BUDGETS.items()},
-                "data": "Fashion-MNIST (Debian package): per_class x 10 train, 2% of the official train "
-                "split as validation, the official 10000 test images",
+                "data": "Fashion-MNIST (Debian package): per_class x 10 train, "
+                f"{100 * base['stages']['data']['val_fraction']:g}% of the official train split as "
+                "validation, the official 10000 test images",
+                "seed": base.get("seed", 0),
             },
             "backprop_profiles": profiles,
             "rows": rows,
