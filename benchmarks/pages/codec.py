@@ -20,7 +20,8 @@ from .common import (
     table,
 )
 
-RESULTS = ("codec",)
+# codec_amd_epyc: the same run on the other CPU this machine kind comes with (AMD EPYC; codec: Intel Xeon)
+RESULTS = ("codec", "codec_amd_epyc")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {"codec": "python -m benchmarks.bench_codec_cuda --batches 32 128 1024 --repeats 50 --compile"}
 

@@ -23,8 +23,10 @@ from .common import (
 )
 
 # neuroflux_val10: the same run with a validation split five times the recipe's (--val-fraction 0.1);
-# neuroflux_seedN: the same run at another seed (--seed N: another split, initial weights and batch order)
-RESULTS = ("neuroflux", "neuroflux_cuda", "neuroflux_val10", "neuroflux_seed1", "neuroflux_seed2")
+# neuroflux_seedN: the same run at another seed (--seed N: another split, initial weights and batch order);
+# neuroflux_amd_epyc: the recipe's seed on the AMD EPYC, the other CPU this machine kind comes with
+RESULTS = ("neuroflux", "neuroflux_cuda", "neuroflux_val10", "neuroflux_seed1", "neuroflux_seed2",
+           "neuroflux_amd_epyc")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {"neuroflux": "python -m benchmarks.bench_neuroflux --device cuda --threads 16"}
 

@@ -19,7 +19,8 @@ from .common import (
     times,
 )
 
-RESULTS = ("prefetch_sdcard", "prefetch_sdcard_hdf5")
+# prefetch_sdcard_hdf5_amd_epyc: the HDF5 run on the AMD EPYC CPU (prefetch_sdcard_hdf5: Intel Xeon)
+RESULTS = ("prefetch_sdcard", "prefetch_sdcard_hdf5", "prefetch_sdcard_hdf5_amd_epyc")
 
 
 def render(result: Result, results_dir: Path) -> Rendered:
