@@ -19,8 +19,9 @@ from .common import (
     times,
 )
 
+# *_intel_xeon: the same run on the Intel Xeon, the other CPU this machine kind comes with
 RESULTS = ("cache_reuse_epoch_time", "cache_reuse_epoch_time_malloc_defaults",
-           "cache_reuse_epoch_time_top_switches")
+           "cache_reuse_epoch_time_top_switches", "cache_reuse_epoch_time_top_switches_intel_xeon")
 # Its GPU counterpart, still to be measured where no *_cuda.json is committed (the headline says so).
 GPU_COMMANDS = {
     "cache_reuse_epoch_time": "python -m benchmarks.bench_cache_reuse --device cuda"
