@@ -3,7 +3,9 @@
 tests/test_determinism_training.py checks that two runs agree with each other; this checks that a run
 today agrees with the runs that made tests/golden/quickstart_models.json, so a change that moves the
 trained weights (a reordered sum, a new default) is seen and made on purpose. A digest holds for one
-torch version on one kind of CPU (oneDNN picks its kernels by instruction set), so it is keyed by both;
+torch version on one kind of CPU (oneDNN picks its kernels by instruction set, and blocks them by the CPU:
+an AMD EPYC and an Intel Xeon, both AVX-512, train different last bits), so it is keyed by the torch version,
+the instruction set and the CPU's model name;
 where no digest was recorded for this machine the test skips, naming the key. Regenerate (a
 deliberate act, reviewed; say why in the commit message):
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -25,10 +28,18 @@ GOLDEN = ROOT / "tests" / "golden" / "quickstart_models.json"
 RECIPE = ROOT / "recipes" / "quickstart.yaml"
 
 
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown CPU"
+
+
 def machine_key() -> str:
     import torch
 
-    return f"torch {torch.__version__.split('+')[0]} / {torch.backends.cpu.get_cpu_capability()}"
+    version = torch.__version__.split("+")[0]
+    return f"torch {version} / {torch.backends.cpu.get_cpu_capability()} / {cpu_model()}"
 
 
 def model_digests(tmp: Path) -> dict[str, str]:
