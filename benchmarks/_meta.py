@@ -27,7 +27,8 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), as results and golden digests name the machine."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -73,7 +74,7 @@ def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": mem,
         "python": platform.python_version(),

@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from benchmarks._meta import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "quickstart_models.json"
 RECIPE = ROOT / "recipes" / "quickstart.yaml"
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 def machine_key() -> str:
