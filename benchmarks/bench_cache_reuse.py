@@ -538,6 +538,7 @@ def main() -> None:
                 "dequantize": "compiled kernel, pipeline/codec/native.py (the default)"
                 if kernel
                 else "torch ops (ONDEVICE_TL_NATIVE=0 or no C compiler)",
+                "kernel_threads": native.threading_kind(),
             },
             "rows": rows,
             "targets": targets,

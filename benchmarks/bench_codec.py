@@ -216,6 +216,7 @@ def main() -> None:
                 "repeats": args.repeats, "k": k, "zero_channel_fraction": args.zero_fraction,
                 "seed": args.seed, "crop_padding": CROP_PADDING, "hflip": HFLIP,
                 "kernels_built": native.kernel() is not None,
+                "kernel_threads": native.threading_kind(),
                 "load_average_at_start": load_at_start,
                 "timing": "min (and median) over rounds of a full-batch call, divided by batch size; the "
                           "kernel and the torch ops alternate within each round; the machine is shared, "

@@ -147,7 +147,7 @@ def main() -> None:
         "headline": headline,
         "settings": {"batch": BATCH, "bits": BITS, "threads": args.threads, "rounds": args.rounds,
                      "calls_per_round": args.calls, "seed": args.seed, "epoch_samples": args.epoch_samples,
-                     "crop_padding": 1, "hflip": 0.5,
+                     "crop_padding": 1, "hflip": 0.5, "kernel_threads": native.threading_kind(),
                      "statistic": "median over rounds; the two paths alternate within each round, order "
                                   "swapped every round; ratio = torch ops / kernel per round"},
         "rows": rows,

@@ -12,10 +12,11 @@
  * differently. Padding is written +0.0. The per-sample work is compiled for AVX2 and AVX-512 too and
  * picked at run time (the same bits: see sample_fn).
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "shares.h"
 
 /* float16 bits -> float32, exactly (every float16 value is a float32 value). Done here rather than
  * by torch beforehand: a torch op would wake torch's OpenMP workers, which then spin on the cores
@@ -256,8 +257,8 @@ static void *run_job(void *arg) {
 }
 
 /* lo, scale: float16 bit patterns, (n, channels). Returns 0, or -1 when memory ran out, -2 for arguments out of
- * range. dy/dx/flip all NULL: no move. threads > 1 splits the samples between this thread and threads - 1 new
- * ones. isa: the widest vectors to use (-1 or 2: the best the CPU has; 1: AVX2 at most; 0: the baseline), for
+ * range. dy/dx/flip all NULL: no move. threads > 1 splits the samples into that many shares (shares.h runs
+ * them). isa: the widest vectors to use (-1 or 2: the best the CPU has; 1: AVX2 at most; 0: the baseline), for
  * tests, which compare them all. */
 int otl_dequantize_moved(const uint8_t *packed, int64_t n, int64_t row_bytes, int32_t bits, int64_t channels,
                          int64_t height, int64_t width, const uint16_t *lo, const uint16_t *scale, const int32_t *dy,
@@ -269,19 +270,13 @@ int otl_dequantize_moved(const uint8_t *packed, int64_t n, int64_t row_bytes, in
     if (n == 0 || channels * height * width == 0) return 0;
     if (threads > n) threads = (int32_t)n;
     Job jobs[64];
-    pthread_t ids[64];
-    int started[64] = {0};
     for (int t = 0; t < threads; t++) {
         jobs[t] = (Job){packed, row_bytes, n * t / threads, n * (t + 1) / threads, bits, channels, height,
                         width, lo, scale, dy, dx, flip, out, isa, -1};
     }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    int status = jobs[0].status;
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_job(&jobs[t]);  /* no thread to be had: do its share here */
+    run_shares(jobs, sizeof jobs[0], threads, run_job);
+    int status = 0;
+    for (int t = 0; t < threads; t++)
         if (jobs[t].status != 0) status = jobs[t].status;
-    }
     return status;
 }

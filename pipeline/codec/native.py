@@ -19,9 +19,12 @@ benchmarks/README.md, ``dequantize_kernel``); both directions: ``python -m bench
 It is plain C (no Python or torch headers), compiled on first use with the machine's C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache folder, keyed by a hash
 of the sources, the flags and the machine, and loaded with ctypes: nothing to build at install
-time, and a device compiles it for itself. Without a compiler, on a failed build, or with
-``ONDEVICE_TL_NATIVE=0``, :func:`kernel` and :func:`quantize_kernel` return None and callers use the
-torch ops (one warning says why). ``ONDEVICE_TL_NATIVE_CACHE`` sets the cache folder.
+time, and a device compiles it for itself. Where torch runs on libgomp (Linux wheels), the kernels
+are built with OpenMP and so run their threads on torch's own pool (``shares.h`` says why); a
+compiler without OpenMP gives a build that starts its threads per call, the same bytes (one
+warning). Without a compiler, on a failed build, or with ``ONDEVICE_TL_NATIVE=0``, :func:`kernel`
+and :func:`quantize_kernel` return None and callers use the torch ops (one warning says why).
+``ONDEVICE_TL_NATIVE_CACHE`` sets the cache folder.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ else:
 
 ENV = "ONDEVICE_TL_NATIVE"
 CACHE_ENV = "ONDEVICE_TL_NATIVE_CACHE"
-# Compiled together into one library (each file is self-contained).
+# Compiled together into one library (each file is self-contained but for the header they share).
 SOURCES = (Path(__file__).with_name("dequantize_moved.c"), Path(__file__).with_name("quantize.c"))
+HEADERS = (Path(__file__).with_name("shares.h"),)
 # -ffp-contract=off: a fused multiply-add would round differently from torch's separate mul and add.
 FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off")
+OPENMP = "-fopenmp"  # added where torch's runtime is libgomp.so.1 (see torch_openmp_runtime)
 SYMBOL = "otl_dequantize_moved"
 QUANTIZE_SYMBOL = "otl_quantize"
 # otl_quantize's reports (quantize.c): the range torch would give is not certain from the values alone
@@ -69,6 +74,7 @@ _lock = threading.Lock()
 _kernel: Any = None
 _quantize: Any = None
 _looked_up = False
+_threading: str | None = None
 
 
 def native_requested() -> bool:
@@ -90,17 +96,43 @@ def _compiler() -> str | None:
     return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
-def library_path(compiler: str) -> Path:
-    """Where the build of the current source with ``compiler`` lives (a new source: a new file)."""
+def torch_openmp_runtime() -> str | None:
+    """The path of the libgomp torch runs its threads on, where a ``-fopenmp`` build shares it, else None.
+
+    A library built with ``-fopenmp`` asks the loader for ``libgomp.so.1``; a loaded file of that name
+    is reused, so the kernels then run on torch's pool. Where torch bundles a renamed copy (some
+    wheels do), runs another runtime (LLVM's, Intel's) or the platform has no ``/proc/self/maps``,
+    None: a build with OpenMP would load a second pool beside torch's, worse than threads per call.
+    """
+    torch.get_num_threads()  # torch (and its runtime) loaded first, so the loader finds its libgomp
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    loaded = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.rstrip().endswith(".so.1")}
+    if len(loaded) == 1 and Path(next(iter(loaded))).name == "libgomp.so.1":
+        return next(iter(loaded))
+    return None
+
+
+def threading_kind() -> str | None:
+    """How the loaded kernels run their threads: ``"openmp"`` (torch's pool), ``"threads"`` (started per
+    call), or None when the kernels are not loaded (turned off, not buildable)."""
+    _look_up()
+    return _threading
+
+
+def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the build of the current source with ``compiler`` and ``flags`` lives (a new source: a new file)."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
-                 platform.machine().encode(), sys.platform.encode()):
+    for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(),
+                 compiler.encode(), platform.machine().encode(), sys.platform.encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"codec-{key.hexdigest()[:16]}.so"
 
 
-def build(compiler: str, target: Path) -> None:
+def build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile the kernels to ``target``: to a temporary file beside it, then renamed, so a reader
     (another process compiling at the same time) never loads a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +140,7 @@ def build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         sources = [str(source) for source in SOURCES]
-        done = subprocess.run([*compiler.split(), *FLAGS, "-o", tmp, *sources],
+        done = subprocess.run([*compiler.split(), *flags, "-o", tmp, *sources],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed on {', '.join(sources)}: {done.stderr.strip()[-500:]}")
@@ -135,39 +167,60 @@ def _check_owner(path: Path) -> None:
                           f"{CACHE_ENV} to a folder of your own")
 
 
-def _load() -> tuple[Any, Any]:
+def _built(compiler: str) -> tuple[Path, str]:
+    """The library for this machine, built if need be: with OpenMP where it shares torch's runtime,
+    else (or where that build fails: one warning) with threads started per call."""
+    failed = None
+    if torch_openmp_runtime() is not None:
+        flags = (*FLAGS, OPENMP)
+        path = library_path(compiler, flags)
+        try:
+            if not path.exists():
+                build(compiler, path, flags)
+            return path, "openmp"
+        except (OSError, subprocess.SubprocessError) as exc:
+            failed = exc
+    path = library_path(compiler)
+    if not path.exists():
+        build(compiler, path)  # where this fails too, the caller warns with its error
+    if failed is not None:
+        warnings.warn(f"could not build the codec kernels with {OPENMP} ({failed}); they start their threads "
+                      "per call instead: the same bytes, slower beside torch's threads", RuntimeWarning,
+                      stacklevel=5)
+    return path, "threads"
+
+
+def _load() -> tuple[Any, Any, str | None]:
     if not native_requested():
-        return None, None
+        return None, None, None
     compiler = _compiler()
     if compiler is None:
         warnings.warn("no C compiler found (set $CC or install cc/gcc/clang): quantizing and dequantizing "
                       "features with torch ops, which is slower (dequantizing: on the training thread)",
                       RuntimeWarning, stacklevel=4)
-        return None, None
-    path = library_path(compiler)
+        return None, None, None
     try:
-        if not path.exists():
-            build(compiler, path)
+        path, kind = _built(compiler)
         _check_owner(path)
         library = ctypes.CDLL(str(path))
         dequantize_fn, quantize_fn = getattr(library, SYMBOL), getattr(library, QUANTIZE_SYMBOL)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         warnings.warn(f"could not build or load the codec kernels ({exc}); using torch ops",
                       RuntimeWarning, stacklevel=4)
-        return None, None
+        return None, None, None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     dequantize_fn.argtypes = [p, i64, i64, i32, i64, i64, i64, p, p, p, p, p, p, i32, i32]
     dequantize_fn.restype = ctypes.c_int
     quantize_fn.argtypes = [p, i64, i64, i64, i32, p, p, i32, i32, p, p, p, i64, i32, i32, p]
     quantize_fn.restype = ctypes.c_int
-    return dequantize_fn, quantize_fn
+    return dequantize_fn, quantize_fn, kind
 
 
 def _look_up() -> None:
-    global _kernel, _quantize, _looked_up
+    global _kernel, _quantize, _threading, _looked_up
     with _lock:
         if not _looked_up:
-            (_kernel, _quantize), _looked_up = _load(), True
+            (_kernel, _quantize, _threading), _looked_up = _load(), True
 
 
 def kernel() -> Any:

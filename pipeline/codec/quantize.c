@@ -19,10 +19,11 @@
  * raises the error that names them. Samples are independent, so splitting them between threads
  * cannot change a byte.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "shares.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -284,7 +285,7 @@ static void *run_job(void *arg) {
 /* x: float32 (n, channels, hw), contiguous. lo, hi: float32 (n, channels), read when have_range (then
  * clip says whether to clip to them, k > 1), else written with each channel's min and max. lo16,
  * scale16: float16 bits (n, channels), written. packed: (n, row_bytes), written. threads > 1 splits
- * the samples between this thread and threads - 1 new ones. isa: the widest vectors to use (-1 or 2:
+ * the samples into that many shares (shares.h runs them). isa: the widest vectors to use (-1 or 2:
  * the best the CPU has; 1: AVX2 at most; 0: the baseline), for tests, which compare them all. Returns OK, a status above (then *where
  * names the first reported sample * channels + channel, and the outputs are incomplete), NO_MEMORY
  * or BAD_ARGUMENTS. */
@@ -299,18 +300,11 @@ int otl_quantize(const float *x, int64_t n, int64_t channels, int64_t hw, int32_
     if (n == 0 || channels == 0) return OK;
     if (threads > n) threads = (int32_t)n;
     Job jobs[64];
-    pthread_t ids[64];
-    int started[64] = {0};
     for (int t = 0; t < threads; t++) {
         jobs[t] = (Job){x, n * t / threads, n * (t + 1) / threads, channels, hw, row_bytes, bits, clip,
                         lo, hi, have_range, isa, lo16, scale16, packed, OK, -1};
     }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_job(&jobs[t]); /* no thread to be had: do its share here */
-    }
+    run_shares(jobs, sizeof jobs[0], threads, run_job);
     /* a thread stops at its first report, so which one comes back may depend on the thread count; the
      * caller's answer to any of them (torch's range, torch's error) does not */
     int status = OK;

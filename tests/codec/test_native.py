@@ -184,3 +184,65 @@ def test_a_library_others_can_write_is_not_loaded(fresh_kernel, monkeypatch) -> 
     monkeypatch.setattr(native, "_looked_up", False)
     with pytest.warns(RuntimeWarning, match="not owned by this user alone .* mode 777"):
         assert native.kernel() is None
+
+
+def loaded_openmp_runtimes() -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "libgomp" in line and line.rstrip().endswith(".so.1")}
+
+
+@needs_compiler
+@pytest.mark.skipif(native.torch_openmp_runtime() is None, reason="torch does not run on libgomp.so.1 here")
+def test_kernels_run_on_torchs_openmp_pool_not_a_second_one(fresh_kernel) -> None:
+    before = loaded_openmp_runtimes()
+    assert native.kernel() is not None and native.threading_kind() == "openmp"
+    assert any(p.name.endswith(".so") and "codec-" in p.name for p in fresh_kernel.iterdir())
+    x = torch.rand(16, 3, 5, 5).reshape(16, 3, 25).contiguous()
+    assert native.quantize(x, 2, threads=2) is not None
+    assert loaded_openmp_runtimes() == before and len(before) == 1
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_the_kernels_with_threads(tmp_path) -> None:
+    # libgomp's pool does not survive a fork: a child using it would wait for workers that were not
+    # copied. The kernels notice the fork and start their own threads there.
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from pipeline.codec import native\n"
+        "x = torch.rand(16, 3, 25)\n"
+        "parent = native.quantize(x, 2, threads=2)\n"
+        "q = native.dequantize_moved(parent.codes, parent.lo16, parent.scale16, 2, (3, 5, 5), threads=2)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    child = native.quantize(x, 2, threads=2)\n"
+        "    again = native.dequantize_moved(child.codes, child.lo16, child.scale16, 2, (3, 5, 5), threads=2)\n"
+        "    os._exit(0 if torch.equal(child.codes, parent.codes) and torch.equal(again, q) else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_compiler
+@pytest.mark.skipif(native.torch_openmp_runtime() is None, reason="torch does not run on libgomp.so.1 here")
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a shell to play a compiler without OpenMP")
+def test_a_compiler_without_openmp_gives_threads_per_call_and_the_same_bytes(fresh_kernel, monkeypatch) -> None:
+    x = (torch.randn(12, 4, 36) * 2).clamp(0, 6)
+    want = native.quantize(x, 4, threads=2)  # the process's kernels, whichever build
+    assert want is not None
+    fake = fresh_kernel / "cc-without-openmp"
+    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
+                    "{ echo 'cc: unsupported option -fopenmp' >&2; exit 1; }; done\n"
+                    f"exec {native._compiler()} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_quantize", None)
+    monkeypatch.setattr(native, "_looked_up", False)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(RuntimeWarning, match="with -fopenmp .*unsupported option -fopenmp.*per call"):
+        assert native.threading_kind() == "threads"
+    got = native.quantize(x, 4, threads=2)
+    assert got is not None and torch.equal(got.codes, want.codes) and torch.equal(got.lo16, want.lo16)
