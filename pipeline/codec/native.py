@@ -109,7 +109,8 @@ def torch_openmp_runtime() -> str | None:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    loaded = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.rstrip().endswith(".so.1")}
+    loaded = {line.split()[-1] for line in maps.splitlines()
+              if "libgomp" in line and line.rstrip().endswith(".so.1")}
     if len(loaded) == 1 and Path(next(iter(loaded))).name == "libgomp.so.1":
         return next(iter(loaded))
     return None
@@ -123,7 +124,7 @@ def threading_kind() -> str | None:
 
 
 def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Where the build of the current source with ``compiler`` and ``flags`` lives (a new source: a new file)."""
+    """Where the build of the current sources with ``compiler`` and ``flags`` lives (new sources: a new file)."""
     key = hashlib.sha256()
     for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(),
                  compiler.encode(), platform.machine().encode(), sys.platform.encode()):

@@ -217,7 +217,8 @@ def test_a_forked_child_runs_the_kernels_with_threads(tmp_path) -> None:
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    child = native.quantize(x, 2, threads=2)\n"
-        "    again = native.dequantize_moved(child.codes, child.lo16, child.scale16, 2, (3, 5, 5), threads=2)\n"
+        "    again = native.dequantize_moved(child.codes, child.lo16, child.scale16, 2, (3, 5, 5),\n"
+        "                                    threads=2)\n"
         "    os._exit(0 if torch.equal(child.codes, parent.codes) and torch.equal(again, q) else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "sys.exit(os.waitstatus_to_exitcode(status))\n")
@@ -229,7 +230,8 @@ def test_a_forked_child_runs_the_kernels_with_threads(tmp_path) -> None:
 @needs_compiler
 @pytest.mark.skipif(native.torch_openmp_runtime() is None, reason="torch does not run on libgomp.so.1 here")
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a shell to play a compiler without OpenMP")
-def test_a_compiler_without_openmp_gives_threads_per_call_and_the_same_bytes(fresh_kernel, monkeypatch) -> None:
+def test_a_compiler_without_openmp_gives_threads_per_call_and_the_same_bytes(fresh_kernel,
+                                                                             monkeypatch) -> None:
     x = (torch.randn(12, 4, 36) * 2).clamp(0, 6)
     want = native.quantize(x, 4, threads=2)  # the process's kernels, whichever build
     assert want is not None
