@@ -124,7 +124,7 @@ def threading_kind() -> str | None:
 
 
 def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Where the build of the current sources with ``compiler`` and ``flags`` lives (new sources: a new file)."""
+    """Where the build of the sources with ``compiler`` and ``flags`` lives (new sources: a new file)."""
     key = hashlib.sha256()
     for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(),
                  compiler.encode(), platform.machine().encode(), sys.platform.encode()):
