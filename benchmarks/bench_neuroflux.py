@@ -15,7 +15,9 @@ Memory on a CPU is the toolkit's training-memory meter (saved tensors + weights 
 state). With ``--device cuda`` it is the paper's setting: every layer, and backpropagation's whole network,
 profiled with ``torch.cuda.max_memory_allocated`` over one real training step, so NeuroFlux and backprop
 are compared at equal GPU memory budgets; the result goes to ``neuroflux_cuda.json`` with the GPU named.
-Training time includes profiling, spill writes and per-epoch validation for every method.
+Training time includes profiling, spill writes and per-epoch validation for every method (on the
+recipe's ``val_per_epoch`` subset of the validation split, the same for every method; the exit is chosen
+on the whole split).
 
 Usage: python -m benchmarks.bench_neuroflux [--archs vgg11 vgg16 resnet18] [--epochs 4] [--per-class 500]
        [--device cuda] [--val-fraction F] [--seed N] [--quick]   (--quick: a few minutes' check of the code
@@ -278,6 +280,8 @@ def main() -> None:
                     "memory_budget_mib": mib,
                     "train": train,
                     "target_accuracy": args.target,
+                    # every method's epochs checked on the same subset of the validation split
+                    **{k: v for k, v in base["stages"]["neuroflux"].items() if k == "val_per_epoch"},
                 }
                 local = {"type": "neuroflux", **exit_settings, **common}
                 methods = {
@@ -328,7 +332,9 @@ def main() -> None:
                 "budgets": {k: f"{s} x backprop's memory at batch {b}" for k, (s, b) in BUDGETS.items()},
                 "data": "Fashion-MNIST (Debian package): per_class x 10 train, "
                 f"{100 * base['stages']['data']['val_fraction']:g}% of the official train split as "
-                "validation, the official 10000 test images",
+                "validation (the exit chosen on all of it; each epoch checked on "
+                f"{base['stages']['neuroflux'].get('val_per_epoch') or 'all'} of them), the official 10000 "
+                "test images",
                 "seed": base.get("seed", 0),
             },
             "backprop_profiles": profiles,

@@ -23,6 +23,7 @@ from pipeline.errors import StageError
 from pipeline.methods.neuroflux import exit as exit_module
 from pipeline.methods.neuroflux.models import build_layer_net
 from pipeline.methods.neuroflux.spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
+from pipeline.methods.neuroflux.stage import every_kth
 from pipeline.ops.batching import rechunk
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
@@ -191,6 +192,34 @@ def test_exit_fine_tuning_reuses_the_blocks_and_exports_the_tuned_exit(tmp_path:
 
     assert untimed(again["exit_finetune"]) == untimed(tries)
     assert again["accuracy"] == tuned["accuracy"]
+
+
+def test_every_kth_spreads_the_subset_over_the_whole_stream_across_batch_edges() -> None:
+    batches = [{"x": torch.arange(a, b).float()[:, None], "y": torch.arange(a, b)} for a, b in
+               ((0, 7), (7, 8), (8, 20), (20, 23))]
+    kept = list(every_kth(iter(batches), 5))
+    assert torch.cat([b["y"] for b in kept]).tolist() == [0, 5, 10, 15, 20]
+    assert all(torch.equal(b["x"][:, 0].long(), b["y"]) for b in kept)  # fields stay together
+    assert torch.cat([b["y"] for b in every_kth(iter(batches), 1)]).tolist() == list(range(23))
+
+
+def test_val_per_epoch_checks_epochs_on_a_subset_and_chooses_the_exit_on_the_whole_split(
+    tmp_path: Path
+) -> None:
+    plain = run_in_process(tmp_path, recipe_dict(exit_tolerance=0.02))
+    subset = run_in_process(tmp_path, recipe_dict(exit_tolerance=0.02, val_per_epoch=40))
+    val = Runner(recipe_from_dict(recipe_dict()), RunContext(catalog=Catalog(tmp_path / "store"))
+                 ).output("images").spec.splits["val"].num_samples
+    k = -(-val // 40)
+    seen = len(range(0, val, k))
+    assert seen <= 40 < val
+    # Every epoch's check counted the subset's samples (accuracies are multiples of 1 / its size) ...
+    for _, acc in subset["val_curve"]:
+        assert acc * seen == pytest.approx(round(acc * seen), abs=1e-9)
+    assert [acc for _, acc in subset["val_curve"]] != [acc for _, acc in plain["val_curve"]]
+    # ... and training does not depend on it: the exit is chosen on the whole split, as without it.
+    assert subset["val_acc_per_layer"] == plain["val_acc_per_layer"]
+    assert subset["exit_layer"] == plain["exit_layer"] and subset["accuracy"] == plain["accuracy"]
 
 
 def test_an_exit_whose_layers_do_not_fit_the_budget_end_to_end_stays_as_trained(

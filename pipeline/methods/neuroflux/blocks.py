@@ -172,7 +172,7 @@ class BlockRun:
                 train_block(
                     state,
                     self.stage._train_batches(source, block.batch_size),
-                    lambda: self.stage._eval_batches(source),
+                    lambda: self.stage._eval_batches(source, per_epoch=True),
                     cfg,
                     steps_per_epoch=steps,
                     layer_names=names,

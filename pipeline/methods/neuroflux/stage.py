@@ -94,6 +94,18 @@ def net_device(net: nn.Module) -> torch.device:
     return next(net.parameters()).device
 
 
+def every_kth(batches: Iterator[Batch], k: int) -> Iterator[Batch]:
+    """The samples at positions 0, k, 2k, ... of the stream: a subset spread over all of it, whatever
+    order the split keeps (class-sorted folders included), the same one every epoch."""
+    seen = 0
+    for b in batches:
+        n, first = len(b["y"]), (-seen) % k
+        seen += n
+        if first < n:
+            keep = torch.arange(first, n, k)
+            yield {name: value[keep] for name, value in b.items()}
+
+
 def trainable(batches: Iterator[Batch]) -> Iterator[Batch]:
     """Drop a trailing batch of one sample: batch norm cannot train on it."""
     for b in batches:
@@ -128,6 +140,11 @@ class _BudgetedTraining(Stage):
     target_accuracy: float | None = Field(
         None, gt=0, le=1, description="report the time until validation accuracy first reaches this"
     )
+    val_per_epoch: int | None = Field(
+        None, ge=1, description="validate each epoch (the curve, the time to target, the best epoch) on "
+        "about this many samples, every k-th of the validation split (all of it when unset); the exit is "
+        "chosen on the whole split, once, after training: a large split then decides the exit surely "
+        "without making every epoch's check dearer")
     seed: int = 0
 
     @field_validator("profile_batches")
@@ -188,9 +205,15 @@ class _BudgetedTraining(Stage):
         return batches
 
     def _eval_batches(
-        self, stream: Stream, split: str = "val"
+        self, stream: Stream, split: str = "val", *, per_epoch: bool = False
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return xy(rechunk(stream.open(split), self.eval_batch_size))
+        """``split``'s batches; ``per_epoch``: the subset every epoch's check sees (``val_per_epoch``)."""
+        opened = stream.open(split)
+        if per_epoch and self.val_per_epoch is not None:
+            total = stream.spec.splits[split].num_samples
+            if total > self.val_per_epoch:
+                opened = every_kth(opened, -(-total // self.val_per_epoch))
+        return xy(rechunk(opened, self.eval_batch_size))
 
     @staticmethod
     def _test_split(stream: Stream) -> str:
@@ -233,7 +256,7 @@ class _BudgetedTraining(Stage):
             net,
             net.parameters(),
             self._train_batches(images, batch),
-            lambda: self._eval_batches(images),
+            lambda: self._eval_batches(images, per_epoch=True),
             self.train,
             checkpoint_dir=checkpoints,
             on_epoch=on_epoch,
@@ -463,6 +486,8 @@ class NeuroFlux(_BudgetedTraining):
         train_seconds = time.perf_counter() - started
 
         val_acc = run.val_acc
+        if self.val_per_epoch is not None:  # the epochs saw a subset: the exit is chosen on all of it
+            val_acc = dict(enumerate(local_learning.evaluate_heads(local, self._eval_batches(images))))
         candidates = [
             ExitCandidate(
                 i, val_acc[i], count_parameters(aux_heads.ExitModel(list(net.layers[: i + 1]), heads[i]))
@@ -579,11 +604,16 @@ class NeuroFlux(_BudgetedTraining):
                 return FinetunedExit(c.layer, before, before, None, time.perf_counter() - started)
             with tempfile.TemporaryDirectory(prefix=f"{name}-exit-") as checkpoints:
                 result = train(model, model.parameters(), self._train_batches(images, batch),
-                               lambda: self._eval_batches(images), cfg, checkpoint_dir=Path(checkpoints),
+                               lambda: self._eval_batches(images, per_epoch=True), cfg,
+                               checkpoint_dir=Path(checkpoints),
                                steps_per_epoch=-(-n_train // batch), bars=ctx.progress,
                                label=f"{name}: exit {c.layer}", batch_size=batch,
                                batch_setting=f"stages.{name}.memory_budget_mib or stages.{name}.batch_cap")
                 after = result.best_val_acc if result.best_val_acc is not None else before
+                if self.val_per_epoch is not None and result.best_val_acc is not None:
+                    # the best epoch was picked on the subset; it is judged, like the exit before it, on all
+                    model.load_state_dict(load_weights(Path(checkpoints) / "best.pt")[0])
+                    after = evaluate(model, self._eval_batches(images), precision=self.train.precision)[1]
                 if after > before:
                     model.load_state_dict(load_weights(Path(checkpoints) / "best.pt")[0])
                     tuned[c.layer] = model
