@@ -215,8 +215,9 @@ def quantize(x: torch.Tensor, bits: int, k: int | float = 1, *, compiled: bool =
     ``compiled=False`` runs the torch ops, the same bytes: for k = 1 two reductions (min, max), a dozen
     small ops on the (N, C) grid and five elementwise passes (subtract, scale, +1/2, two narrowing
     casts) plus packing. ``threads``: how many threads the kernel splits the samples between (default
-    torch's intra-op thread count; at most one per 8 samples, as a thread costs about as much to start
-    as a few maps take); no byte depends on it.
+    torch's intra-op thread count; at most one per 8 samples, as waking a sleeping pool worker, or
+    starting a thread where the kernels run without OpenMP, costs about as much as a few maps take); no
+    byte depends on it.
     """
     bits = check_bits(bits)
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():

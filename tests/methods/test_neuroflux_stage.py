@@ -192,6 +192,12 @@ def test_exit_fine_tuning_reuses_the_blocks_and_exports_the_tuned_exit(tmp_path:
 
     assert untimed(again["exit_finetune"]) == untimed(tries)
     assert again["accuracy"] == tuned["accuracy"]
+    # No reach beyond the tolerance: only exits already within it are tried, so the first is the exit.
+    narrow = run_in_process(tmp_path, recipe_dict(**settings, exit_finetune_reach=0.0))
+    assert narrow["blocks_reused"] == 3
+    reference = max(c["val_acc"] for c in narrow["exit_candidates"])
+    (only,) = narrow["exit_finetune"]
+    assert only["accepted"] and only["val_acc_before"] >= reference - 0.02 - 1e-12
 
 
 def test_every_kth_spreads_the_subset_over_the_whole_stream_across_batch_edges() -> None:

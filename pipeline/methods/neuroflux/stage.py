@@ -46,6 +46,7 @@ from ..graphed import check_cuda_graph
 from ..trainer import TrainConfig, evaluate, train
 from .archs import ARCHS
 from .exit import (
+    FINETUNE_REACH,
     ExitCandidate,
     ExitRule,
     FinetunedExit,
@@ -79,7 +80,8 @@ else:
 
 # Settings that only choose, report or export the exit: they never change a trained block.
 EXIT_SETTINGS = frozenset(
-    {"exit_rule", "exit_tolerance", "exit_finetune_epochs", "export", "target_accuracy"})
+    {"exit_rule", "exit_tolerance", "exit_finetune_epochs", "exit_finetune_reach", "export",
+     "target_accuracy"})
 MIB = 2**20
 
 
@@ -344,6 +346,10 @@ class NeuroFlux(_BudgetedTraining):
         0, ge=0, description="fine-tune exits end to end (prefix and head, under the memory budget, at "
         "train's settings) for this many epochs before comparing them, smallest first, stopping at the first "
         "within exit_tolerance: smaller exits at the same accuracy (benchmarks/README.md). 0: as trained")
+    exit_finetune_reach: float = Field(
+        FINETUNE_REACH, ge=0, le=1, description="fine-tune only exits that start within exit_tolerance plus "
+        "this of the reference (what fine-tuning can be expected to gain; further below, a try costs its "
+        "epochs for nothing)")
     export: bool = Field(True, description="write the compact model to the run's output directory")
     backprop_from_batch: int | None = Field(
         16, ge=1, description="variant neuroflux: where backpropagation through the whole network fits the "
@@ -500,7 +506,7 @@ class NeuroFlux(_BudgetedTraining):
         if self.exit_finetune_epochs:
             finetune = self._exit_finetuner(ctx, name, net, heads, images, tuned)
             chosen, tries = search_exit(candidates, finetune, rule=self.exit_rule,
-                                        tolerance=self.exit_tolerance)
+                                        tolerance=self.exit_tolerance, reach=self.exit_finetune_reach)
         else:
             chosen = choose_exit(candidates, rule=self.exit_rule, tolerance=self.exit_tolerance)
         compact = tuned[chosen.layer] if chosen.layer in tuned else aux_heads.ExitModel(
