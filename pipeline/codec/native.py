@@ -105,15 +105,21 @@ def torch_openmp_runtime() -> str | None:
     None: a build with OpenMP would load a second pool beside torch's, worse than threads per call.
     """
     torch.get_num_threads()  # torch (and its runtime) loaded first, so the loader finds its libgomp
+    loaded = loaded_libgomp()
+    if loaded is None or len(loaded) != 1:
+        return None
+    (path,) = loaded
+    return path if Path(path).name == "libgomp.so.1" else None
+
+
+def loaded_libgomp() -> set[str] | None:
+    """The files of every libgomp loaded in this process, or None where ``/proc/self/maps`` cannot say."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    loaded = {line.split()[-1] for line in maps.splitlines()
-              if "libgomp" in line and line.rstrip().endswith(".so.1")}
-    if len(loaded) == 1 and Path(next(iter(loaded))).name == "libgomp.so.1":
-        return next(iter(loaded))
-    return None
+    return {line.split()[-1] for line in maps.splitlines()
+            if "libgomp" in line and line.rstrip().endswith(".so.1")}
 
 
 def threading_kind() -> str | None:

@@ -41,7 +41,8 @@ static void run_shares(void *shares, size_t size, int count, void *(*run)(void *
 #endif
     pthread_t ids[64];
     int started[64] = {0};
-    for (int t = 1; t < count && t < 64; t++) started[t] = pthread_create(&ids[t], NULL, run, at + (size_t)t * size) == 0;
+    for (int t = 1; t < count && t < 64; t++)
+        started[t] = pthread_create(&ids[t], NULL, run, at + (size_t)t * size) == 0;
     run(at);
     for (int t = 1; t < count && t < 64; t++) {
         if (started[t]) pthread_join(ids[t], NULL);

@@ -34,6 +34,18 @@ def split_batch(batch: Batch, start: int, stop: int) -> Batch:
     return {k: v[start:stop] for k, v in batch.items()}
 
 
+def every_kth(batches: Iterable[Batch], k: int) -> Iterator[Batch]:
+    """The samples at positions 0, k, 2k, ... of the stream: a subset spread over all of it, whatever
+    order it keeps (class-sorted folders included), the same one every time it is read."""
+    seen = 0
+    for b in batches:
+        n = batch_size_of(b)
+        first, seen = (-seen) % k, seen + n
+        if first < n:
+            keep = torch.arange(first, n, k)
+            yield {name: value[keep] for name, value in b.items()}
+
+
 def rechunk(batches: Iterable[Batch], size: int, *, drop_last: bool = False) -> Iterator[Batch]:
     """Re-emit ``batches`` as batches of exactly ``size`` samples (the last may be short).
 

@@ -23,8 +23,7 @@ from pipeline.errors import StageError
 from pipeline.methods.neuroflux import exit as exit_module
 from pipeline.methods.neuroflux.models import build_layer_net
 from pipeline.methods.neuroflux.spill import SpillConfig, Spills, block_output_stream, derived_fingerprint
-from pipeline.methods.neuroflux.stage import every_kth
-from pipeline.ops.batching import rechunk
+from pipeline.ops.batching import every_kth, rechunk
 from pipeline.recipe import recipe_from_dict
 from pipeline.runner import Runner
 from stores.catalog import Catalog

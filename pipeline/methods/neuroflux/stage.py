@@ -36,7 +36,7 @@ from ...errors import ModelError, StageError
 from ...fingerprint import derived_fingerprint, is_cacheable, partial_fingerprint
 from ...lazy import lazy_module
 from ...models.weights import load_weights
-from ...ops.batching import Batch, rechunk, xy
+from ...ops.batching import Batch, every_kth, rechunk, xy
 from ...ops.prefetch import prefetch
 from ...spec import RESULT, STREAM, Spec
 from ...stage import Stage, StageCall, StageInputs
@@ -94,18 +94,6 @@ def _measured_by(device: torch.device | None) -> str:
 
 def net_device(net: nn.Module) -> torch.device:
     return next(net.parameters()).device
-
-
-def every_kth(batches: Iterator[Batch], k: int) -> Iterator[Batch]:
-    """The samples at positions 0, k, 2k, ... of the stream: a subset spread over all of it, whatever
-    order the split keeps (class-sorted folders included), the same one every epoch."""
-    seen = 0
-    for b in batches:
-        n, first = len(b["y"]), (-seen) % k
-        seen += n
-        if first < n:
-            keep = torch.arange(first, n, k)
-            yield {name: value[keep] for name, value in b.items()}
 
 
 def trainable(batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -211,11 +199,13 @@ class _BudgetedTraining(Stage):
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``split``'s batches; ``per_epoch``: the subset every epoch's check sees (``val_per_epoch``)."""
         opened = stream.open(split)
-        if per_epoch and self.val_per_epoch is not None:
-            total = stream.spec.splits[split].num_samples
-            if total > self.val_per_epoch:
-                opened = every_kth(opened, -(-total // self.val_per_epoch))
-        return xy(rechunk(opened, self.eval_batch_size))
+        stride = self._epoch_stride(stream, split) if per_epoch else 1
+        return xy(rechunk(opened if stride == 1 else every_kth(opened, stride), self.eval_batch_size))
+
+    def _epoch_stride(self, stream: Stream, split: str = "val") -> int:
+        """Every how many of ``split``'s samples an epoch's check sees (1: all of them)."""
+        total = stream.spec.splits[split].num_samples
+        return 1 if self.val_per_epoch is None else max(1, -(-total // self.val_per_epoch))
 
     @staticmethod
     def _test_split(stream: Stream) -> str:
@@ -492,7 +482,7 @@ class NeuroFlux(_BudgetedTraining):
         train_seconds = time.perf_counter() - started
 
         val_acc = run.val_acc
-        if self.val_per_epoch is not None:  # the epochs saw a subset: the exit is chosen on all of it
+        if self._epoch_stride(images) > 1:  # the epochs saw a subset: the exit is chosen on all of it
             val_acc = dict(enumerate(local_learning.evaluate_heads(local, self._eval_batches(images))))
         candidates = [
             ExitCandidate(
@@ -616,12 +606,13 @@ class NeuroFlux(_BudgetedTraining):
                                label=f"{name}: exit {c.layer}", batch_size=batch,
                                batch_setting=f"stages.{name}.memory_budget_mib or stages.{name}.batch_cap")
                 after = result.best_val_acc if result.best_val_acc is not None else before
-                if self.val_per_epoch is not None and result.best_val_acc is not None:
-                    # the best epoch was picked on the subset; it is judged, like the exit before it, on all
+                # the best epoch, if picked on a subset, is judged like the exit before it: on all of them
+                rejudge = result.best_val_acc is not None and self._epoch_stride(images) > 1
+                if rejudge or after > before:
                     model.load_state_dict(load_weights(Path(checkpoints) / "best.pt")[0])
+                if rejudge:
                     after = evaluate(model, self._eval_batches(images), precision=self.train.precision)[1]
                 if after > before:
-                    model.load_state_dict(load_weights(Path(checkpoints) / "best.pt")[0])
                     tuned[c.layer] = model
             ctx.progress.log(f"[{name}] {label} fine-tuned at batch {batch}: val acc {before:.3f} -> "
                              f"{max(after, before):.3f}")
